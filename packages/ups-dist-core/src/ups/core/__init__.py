@@ -1,0 +1,46 @@
+"""ups-dist-core: the engine of ups — run context, config, training loop, plugin contract, CLI."""
+
+from .collectives import RankFailedError, all_mean, decide
+from .config import Config, load_config
+from .context import RunContext, distributed_session
+from .engine import TrainResult
+from .errors import ConfigError, UsageError
+from .launch import run_processes, train
+from .markers import hookimpl
+from .plugins import Registry, load_plugins
+from .records import (
+    Checkpointer,
+    CheckpointBackendPlugin,
+    CommHookPlugin,
+    Launcher,
+    LauncherPlugin,
+    LaunchRequest,
+    NoOptions,
+    SamplerPlugin,
+)
+
+__all__ = [
+    "CheckpointBackendPlugin",
+    "Checkpointer",
+    "CommHookPlugin",
+    "Config",
+    "ConfigError",
+    "LaunchRequest",
+    "Launcher",
+    "LauncherPlugin",
+    "NoOptions",
+    "RankFailedError",
+    "Registry",
+    "RunContext",
+    "SamplerPlugin",
+    "TrainResult",
+    "UsageError",
+    "all_mean",
+    "decide",
+    "distributed_session",
+    "hookimpl",
+    "load_config",
+    "load_plugins",
+    "run_processes",
+    "train",
+]

@@ -1,0 +1,72 @@
+"""The built-in plugin (``ups-dist-core``): torch's defaults, so a bare install trains.
+
+Registered like any other plugin, with ``trylast=True`` so a third party can override them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+
+import attrs
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+from .context import RunContext
+from .markers import hookimpl_default
+from .records import CheckpointBackendPlugin, CommHookPlugin, SamplerPlugin
+from .simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
+
+
+@attrs.frozen(kw_only=True)
+class TorchSamplerOptions:
+    """Options of the ``torch`` sampler, as in ``torch.utils.data.DistributedSampler``."""
+
+    shuffle: bool = True
+    drop_last: bool = False
+
+
+def torch_sampler(
+    dataset: Sized, *, ctx: RunContext, seed: int, options: TorchSamplerOptions
+) -> DistributedSampler[int]:
+    """``torch.utils.data.DistributedSampler`` for this rank."""
+    return DistributedSampler(
+        dataset,  # type: ignore[arg-type]
+        num_replicas=ctx.world_size,
+        rank=ctx.rank,
+        shuffle=options.shuffle,
+        seed=seed,
+        drop_last=options.drop_last,
+    )
+
+
+def no_comm_hook(ddp: DistributedDataParallel, *, ctx: RunContext, options: object) -> None:
+    """Register nothing: DDP all-reduces gradients itself."""
+
+
+@hookimpl_default
+def ups_samplers() -> list[SamplerPlugin]:
+    return [
+        SamplerPlugin(
+            name="torch",
+            factory=torch_sampler,
+            options=TorchSamplerOptions,
+            description="torch.utils.data.DistributedSampler",
+        )
+    ]
+
+
+@hookimpl_default
+def ups_comm_hooks() -> list[CommHookPlugin]:
+    return [CommHookPlugin(name="none", factory=no_comm_hook, description="DDP's own allreduce")]
+
+
+@hookimpl_default
+def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
+    return [
+        CheckpointBackendPlugin(
+            name="simple",
+            factory=SimpleCheckpointer,
+            options=SimpleCheckpointOptions,
+            description="one torch.save file per checkpoint, written atomically by rank 0",
+        )
+    ]

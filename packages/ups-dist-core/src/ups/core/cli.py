@@ -1,0 +1,115 @@
+"""The ``ups`` command: ``train``, ``validate`` and ``plugins``.
+
+Usage errors (bad config, unknown plugin, missing file) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from . import launch, logs
+from .config import Config, load_config
+from .context import RunContext, launched
+from .errors import UsageError
+from .plugins import FAMILIES, Registry, load_plugins
+from .validate import validate
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ups", description="DDP training done right, from one YAML file.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train a config, on --nproc local processes")
+    train.add_argument("config", type=Path, help="the run's YAML file")
+    train.add_argument("--nproc", type=int, help="processes on this machine (default: distributed.nproc)")
+    _overrides(train)
+
+    check = commands.add_parser("validate", help="check a config without training")
+    check.add_argument("config", type=Path)
+    check.add_argument("--nproc", type=int, help="check for this many processes")
+    _overrides(check)
+
+    commands.add_parser("plugins", help="list the plugins found and what they provide")
+    return parser
+
+
+def _overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+        help="set a config value, e.g. -o training.lr=3e-4 (repeatable)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``ups`` command line; return its exit status."""
+    try:
+        args = _parser().parse_args(argv)
+        return _COMMANDS[args.command](args)
+    except UsageError as error:
+        print(f"ups: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        print(f"ups: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.override)
+    nproc = args.nproc or config.distributed.nproc
+    if not launched():
+        _check(config, load_plugins(), nproc)
+        if nproc > 1:
+            launch.torchrun(args.config, nproc, args.override)
+            return EXIT_OK
+    launch.train_in_place(config)
+    return EXIT_OK
+
+
+def _validate(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.override)
+    _check(config, load_plugins(), args.nproc)
+    print(f"{args.config}: ok")
+    return EXIT_OK
+
+
+def _check(config: Config, registry: Registry, nproc: int | None) -> None:
+    logs.configure(RunContext())
+    for warning in validate(config, registry, nproc):
+        structlog.get_logger().warning(warning)
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    logs.configure(RunContext())
+    registry = load_plugins()
+    rows = [("FAMILY", "NAME", "PLUGIN", "DISTRIBUTION", "STATUS")]
+    versions = {p.name: f"{p.distribution} {p.version}".strip() for p in registry.plugins}
+    for family in FAMILIES:
+        for name, provided in sorted(registry.records(family).items()):
+            rows.append((family, name, provided.plugin, versions.get(provided.plugin, ""), "enabled"))
+    for plugin in registry.plugins:
+        if plugin.status != "enabled":
+            status = plugin.status + (f": {plugin.error}" if plugin.error else "")
+            rows.append(("-", "-", plugin.name, versions[plugin.name], status))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    return EXIT_OK
+
+
+_COMMANDS = {"train": _train, "validate": _validate, "plugins": _plugins}

@@ -1,0 +1,56 @@
+"""Small collectives the engine and plugins build on: decide once, act everywhere.
+
+Seed 000's rule: one rank decides, every rank receives the same decision, every rank acts on it.
+Never let rank 0 alone act on a decision the others must share, and never let rank 0 alone
+enter a collective (it deadlocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .context import RunContext
+
+T = TypeVar("T")
+
+
+class RankFailedError(RuntimeError):
+    """Raised on every rank when the rank that decided failed to; names that rank."""
+
+
+def decide(ctx: RunContext, decision: Callable[[], T]) -> T:
+    """Run ``decision`` on rank 0 and return its (picklable) result on every rank.
+
+    If it raises on rank 0, every rank raises :class:`RankFailedError` with rank 0's message,
+    so no rank is left waiting in a later collective. Every rank must call this.
+    """
+    if not ctx.distributed:
+        return decision()
+    payload: list[object] = [None]
+    if ctx.is_main:
+        try:
+            payload[0] = ("ok", decision())
+        except Exception as error:  # noqa: BLE001 - handed to every rank below
+            payload[0] = ("error", f"{type(error).__name__}: {error}")
+    dist.broadcast_object_list(payload, src=0, device=_object_device(ctx))
+    status, value = payload[0]  # type: ignore[misc]
+    if status == "error":
+        raise RankFailedError(f"rank 0 failed: {value}")
+    return value  # type: ignore[no-any-return]
+
+
+def all_mean(ctx: RunContext, values: torch.Tensor) -> torch.Tensor:
+    """The element-wise mean of ``values`` over all ranks (``values`` itself if not distributed)."""
+    if not ctx.distributed:
+        return values
+    total = values.detach().to(ctx.device, torch.float64).clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total / ctx.world_size
+
+
+def _object_device(ctx: RunContext) -> torch.device | None:
+    return ctx.device if ctx.backend == "nccl" else None

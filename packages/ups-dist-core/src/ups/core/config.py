@@ -1,0 +1,217 @@
+"""The run configuration: one YAML file with every knob, as frozen attrs classes.
+
+Sections: ``run``, ``model``, ``data``, ``training``, ``distributed``, and one per plugin family
+(``sampler``, ``comm_hook``, ``checkpoint``, ``launch``), each naming a plugin and its options.
+Overrides from the command line use dotted key paths: ``-o training.lr=3e-4``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import yaml
+
+from .errors import ConfigError, UsageError
+from .imports import resolve_spec
+from .structure import above, at_least, structure
+
+
+@attrs.frozen(kw_only=True)
+class RunConfig:
+    """Naming, seeding and reporting of the run."""
+
+    name: str = "run"
+    """The run's name; its files go to ``output_dir/name``."""
+    seed: int = 0
+    """Seeds model initialisation and data order on every rank."""
+    output_dir: str = "runs"
+    """Where runs keep their files (checkpoints, logs), relative to the working directory."""
+    log_every: int = attrs.field(default=10, validator=at_least(1))
+    """Report aggregated metrics every this many optimizer steps."""
+
+
+@attrs.frozen(kw_only=True)
+class FactoryConfig:
+    """User code that builds something: ``factory`` is called with ``options`` as keywords."""
+
+    factory: str
+    """``package.module:callable`` or ``path/to/file.py:callable`` (relative to the config)."""
+    options: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class DataConfig(FactoryConfig):
+    """The training data: ``factory(**options)`` returns a map-style dataset whose items are
+    ``(inputs, targets)`` or ``(inputs, targets, task_id)``."""
+
+    tasks: tuple[str, ...] = ()
+    """Names of the tasks of multi-task data, in the order of their task ids."""
+
+
+@attrs.frozen(kw_only=True)
+class TrainingConfig:
+    """The optimisation."""
+
+    epochs: int = attrs.field(default=1, validator=at_least(1))
+    batch_size: int = attrs.field(default=32, validator=at_least(1))
+    """Samples per rank per step."""
+    lr: float = attrs.field(default=1e-3, validator=above(0))
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    weight_decay: float = attrs.field(default=0.0, validator=at_least(0))
+    loss: Literal["mse", "l1", "cross_entropy"] = "mse"
+    max_steps: int | None = attrs.field(default=None, validator=at_least(1))
+    """Stop after this many optimizer steps, even mid-epoch."""
+
+
+@attrs.frozen(kw_only=True)
+class DistributedConfig:
+    """The process group and the DDP wrapper."""
+
+    enabled: bool | Literal["auto"] = "auto"
+    """``auto``: distributed when launched as several processes, falling back to one process
+    with a warning if the process group cannot start; ``true``: fail instead; ``false``: never."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """``auto`` is nccl when every rank has a CUDA device, else gloo."""
+    nproc: int = attrs.field(default=1, validator=at_least(1))
+    """Processes to start on this machine (``ups train --nproc`` overrides it)."""
+    timeout_s: float = attrs.field(default=300.0, validator=above(0))
+    """Seconds any collective may wait before the run fails with an error naming the rank."""
+    bucket_cap_mb: float = attrs.field(default=25.0, validator=above(0))
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class PluginChoice:
+    """A plugin section: the plugin's ``name`` and its ``options``."""
+
+    name: str
+    options: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class SamplerChoice(PluginChoice):
+    name: str = "torch"
+
+
+@attrs.frozen(kw_only=True)
+class CommHookChoice(PluginChoice):
+    name: str = "none"
+    """``none`` keeps DDP's own allreduce."""
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointChoice(PluginChoice):
+    name: str = "simple"
+    every_steps: int | None = attrs.field(default=None, validator=at_least(1))
+    """Save every this many optimizer steps (and always at the end); ``null``: at the end only."""
+
+
+@attrs.frozen(kw_only=True)
+class LaunchChoice(PluginChoice):
+    name: str | None = None  # type: ignore[assignment]
+    """The launcher ``ups launch`` uses; ``null``: none chosen (``ups train`` needs none)."""
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """A whole run's configuration."""
+
+    model: FactoryConfig
+    data: DataConfig
+    run: RunConfig = attrs.field(factory=RunConfig)
+    training: TrainingConfig = attrs.field(factory=TrainingConfig)
+    distributed: DistributedConfig = attrs.field(factory=DistributedConfig)
+    sampler: SamplerChoice = attrs.field(factory=SamplerChoice)
+    comm_hook: CommHookChoice = attrs.field(factory=CommHookChoice)
+    checkpoint: CheckpointChoice = attrs.field(factory=CheckpointChoice)
+    launch: LaunchChoice = attrs.field(factory=LaunchChoice)
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's own folder: ``run.output_dir/run.name``."""
+        return Path(self.run.output_dir) / self.run.name
+
+    def digest(self) -> str:
+        """A short hash of the resolved configuration; equal configs give equal digests."""
+        text = json.dumps(attrs.asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
+    """Parse ``key.path=value`` strings; values are read as YAML scalars (``3e-4``, ``true``)."""
+    parsed = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise UsageError(f"override {item!r} is not of the form key.path=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        parsed.append((key.split("."), value))
+    return parsed
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with every ``key.path=value`` override set."""
+    result = json.loads(json.dumps(data))
+    for keys, value in parse_overrides(overrides):
+        node = result
+        for depth, part in enumerate(keys[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(keys[: depth + 1]), "is not a section; cannot override in it")
+            node = child
+        node[keys[-1]] = value
+    return result
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
+    """Read, override and check a YAML config file.
+
+    Relative ``file.py:callable`` paths in ``model.factory`` and ``data.factory`` are resolved
+    against the file's folder. Plugin names and options are checked later, against the plugins
+    installed (:func:`ups.core.validate.validate`).
+
+    :raises UsageError: a missing or unreadable file, or a :class:`ConfigError` naming the key.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise UsageError(f"cannot read config file {path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise UsageError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: the top level must be a mapping of sections")
+    data = apply_overrides(data, overrides)
+    try:
+        config = structure(Config, data)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error.path}", error.problem) from None
+    return _resolve_paths(config, path.resolve().parent)
+
+
+def config_from_mapping(data: Mapping[str, Any], base_dir: Path | None = None) -> Config:
+    """Build a config from a mapping (for the Python API); file paths resolve against ``base_dir``."""
+    return _resolve_paths(structure(Config, dict(data)), (base_dir or Path.cwd()).resolve())
+
+
+def _resolve_paths(config: Config, base: Path) -> Config:
+    return attrs.evolve(
+        config,
+        model=attrs.evolve(config.model, factory=resolve_spec(config.model.factory, base)),
+        data=attrs.evolve(config.data, factory=resolve_spec(config.data.factory, base)),
+    )

@@ -1,0 +1,129 @@
+"""Every hook of the ``ups`` plugin contract, by family: this module is its table of contents.
+
+A plugin is a module (or object) with functions named like these specs, marked with
+:data:`ups.core.hookimpl`, and listed under the ``ups`` entry-point group of its distribution.
+Hooks take keyword arguments only; an implementation may accept any subset of them.
+
+Registration (samplers, comm hooks, checkpoint backends, launchers)
+    Each returns the records of what the plugin provides. The engine gathers them from all
+    plugins; a name claimed by two plugins is an error naming both.
+
+Training lifecycle (callbacks, loggers)
+    Called on every rank, in step; decide for yourself whether to act on ``ctx.is_main`` only.
+    Metrics passed to them are already aggregated across ranks, so every rank sees the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from .markers import hookspec
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .context import RunContext
+    from .engine import TrainResult
+    from .records import CheckpointBackendPlugin, CommHookPlugin, LauncherPlugin, SamplerPlugin
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+
+
+@hookspec
+def ups_samplers() -> Iterable[SamplerPlugin]:
+    """Register distributed samplers, selected by ``sampler: {name: ...}`` in the config.
+
+    :returns: the :class:`~ups.core.records.SamplerPlugin` records this plugin provides.
+
+    Example::
+
+        @hookimpl
+        def ups_samplers():
+            return [SamplerPlugin(name="reverse", factory=make_reverse_sampler)]
+    """
+
+
+@hookspec
+def ups_comm_hooks() -> Iterable[CommHookPlugin]:
+    """Register DDP communication hooks, selected by ``comm_hook: {name: ...}``.
+
+    :returns: the :class:`~ups.core.records.CommHookPlugin` records this plugin provides.
+    """
+
+
+@hookspec
+def ups_checkpoint_backends() -> Iterable[CheckpointBackendPlugin]:
+    """Register checkpoint backends, selected by ``checkpoint: {name: ...}``.
+
+    :returns: the :class:`~ups.core.records.CheckpointBackendPlugin` records of this plugin.
+    """
+
+
+@hookspec
+def ups_launchers() -> Iterable[LauncherPlugin]:
+    """Register launchers (local, SLURM, clouds), selected by ``launch: {name: ...}``.
+
+    :returns: the :class:`~ups.core.records.LauncherPlugin` records this plugin provides.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Training lifecycle
+
+
+@hookspec
+def ups_run_start(ctx: RunContext, config: Config) -> None:
+    """Training is about to start: the process group is up, the model and data are built.
+
+    :param ctx: this rank's run context.
+    :param config: the validated configuration of the run.
+    """
+
+
+@hookspec
+def ups_step_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> None:
+    """An optimizer step ended; called every ``run.log_every`` steps, with fresh metrics.
+
+    :param ctx: this rank's run context.
+    :param step: the number of optimizer steps taken so far.
+    :param metrics: metrics averaged over all ranks since the last call (``loss``, ...).
+    """
+
+
+@hookspec
+def ups_eval_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> None:
+    """An evaluation pass ended.
+
+    :param ctx: this rank's run context.
+    :param step: the optimizer step the evaluation was made at.
+    :param metrics: evaluation metrics over the whole evaluation set, all ranks together.
+    """
+
+
+@hookspec
+def ups_checkpoint_saved(ctx: RunContext, step: int, location: str) -> None:
+    """A checkpoint was saved and committed.
+
+    :param ctx: this rank's run context.
+    :param step: the optimizer step the checkpoint holds.
+    :param location: where the checkpoint backend put it (a path or URL).
+    """
+
+
+@hookspec
+def ups_run_end(ctx: RunContext, result: TrainResult) -> None:
+    """Training finished normally.
+
+    :param ctx: this rank's run context.
+    :param result: the run's summary, the same on every rank.
+    """
+
+
+@hookspec
+def ups_error(ctx: RunContext, error: BaseException) -> None:
+    """Training stopped with an exception on this rank; called before it propagates.
+
+    :param ctx: this rank's run context.
+    :param error: the exception.
+    """

@@ -1,0 +1,107 @@
+"""Run on several local processes: torchrun's elastic agent for the CLI, a function API for code.
+
+``ups train CONFIG --nproc N`` and :func:`train` start N processes under one elastic agent (what
+torchrun does), each of which finds itself launched and trains in place. :func:`run_processes`
+does the same for any function, for notebooks and scripts (like Accelerate's notebook_launcher).
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from . import engine, logs
+from .config import Config, DistributedConfig, config_from_mapping, load_config
+from .context import RunContext, distributed_session, launched
+from .plugins import load_plugins
+
+T = TypeVar("T")
+
+
+def _launch_config(nproc: int, max_restarts: int) -> LaunchConfig:
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"ups-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+
+
+def run_processes(
+    fn: Callable[..., T],
+    *args: Any,
+    nproc: int = 2,
+    distributed: DistributedConfig | None = None,
+    max_restarts: int = 0,
+) -> T:
+    """Run ``fn(ctx, *args)`` on ``nproc`` local processes joined in one process group.
+
+    ``fn`` and ``args`` must be picklable (``fn`` defined in an importable module, not in a
+    notebook cell). Returns rank 0's result.
+
+    :raises torch.distributed.elastic.multiprocessing.errors.ChildFailedError: when a rank fails.
+    """
+    distributed = distributed or DistributedConfig()
+    results = elastic_launch(_launch_config(nproc, max_restarts), _worker)(fn, args, distributed)
+    return results[0]  # type: ignore[no-any-return]
+
+
+def _worker(fn: Callable[..., T], args: tuple[Any, ...], d: DistributedConfig) -> T:
+    with distributed_session(d.enabled, d.backend, d.timeout_s) as ctx:
+        logs.configure(ctx)
+        return fn(ctx, *args)
+
+
+def train(
+    config: Config | Mapping[str, Any] | str | Path,
+    *,
+    nproc: int | None = None,
+    overrides: Iterable[str] = (),
+) -> engine.TrainResult:
+    """Train a config (a file, a mapping or a :class:`Config`) on ``nproc`` local processes.
+
+    ``nproc`` defaults to ``distributed.nproc``. Returns rank 0's :class:`~ups.core.TrainResult`.
+    Plugins must be installed (entry points) to be seen by the spawned processes.
+    """
+    if isinstance(config, str | Path):
+        config = load_config(config, overrides)
+    elif not isinstance(config, Config):
+        config = config_from_mapping(config)
+    nproc = nproc or config.distributed.nproc
+    if nproc == 1 or launched():
+        return train_in_place(config)
+    return run_processes(train_here, config, nproc=nproc, distributed=config.distributed)
+
+
+def train_in_place(config: Config) -> engine.TrainResult:
+    """Join the process group this process's environment describes, and train ``config``."""
+    d = config.distributed
+    with distributed_session(d.enabled, d.backend, d.timeout_s) as ctx:
+        logs.configure(ctx)
+        return train_here(ctx, config)
+
+
+def train_here(ctx: RunContext, config: Config) -> engine.TrainResult:
+    """Train ``config`` in this process, as this rank of the process group ``ctx`` describes."""
+    return engine.train(config, ctx, load_plugins())
+
+
+def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: int = 0) -> None:
+    """Run ``ups train CONFIG`` on ``nproc`` local processes under one elastic agent.
+
+    :raises ChildFailedError: when a rank fails (after ``max_restarts`` restarts).
+    """
+    args = ["-m", "ups.core", "train", str(config)]
+    for item in overrides:
+        args += ["-o", item]
+    elastic_launch(_launch_config(nproc, max_restarts), sys.executable)(*args)

@@ -1,0 +1,210 @@
+"""The plugin manager factory and the registry of what plugins provide.
+
+:func:`load_plugins` registers the built-in plugins explicitly, then every module listed under
+the ``ups`` entry-point group, then checks that every ``ups_*`` implementation matches a spec.
+Two environment variables steer it (read when it is called):
+
+``UPS_DISABLE_PLUGIN_AUTOLOAD=1``
+    load no entry points: only the built-ins and plugins passed in explicitly.
+``UPS_BLOCK_PLUGINS=name,name``
+    skip the named plugins (entry-point names, or ``ups-dist-core`` for the built-ins).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as metadata
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import attrs
+import pluggy
+import structlog
+
+from . import hookspecs
+from .errors import ConfigError, UsageError, did_you_mean, one_of
+from .markers import NAME
+from .records import (
+    CheckpointBackendPlugin,
+    CommHookPlugin,
+    LauncherPlugin,
+    PluginRecord,
+    SamplerPlugin,
+)
+from .structure import structure
+
+log = structlog.get_logger()
+
+ENTRY_POINT_GROUP = NAME
+AUTOLOAD_ENV = "UPS_DISABLE_PLUGIN_AUTOLOAD"
+BLOCK_ENV = "UPS_BLOCK_PLUGINS"
+BUILTIN_NAME = "ups-dist-core"
+BUILTINS = "ups.core.builtins"
+"""The module of the built-in plugin, registered under the name ``ups-dist-core``."""
+
+Family = Literal["sampler", "comm_hook", "checkpoint", "launcher"]
+FAMILIES: Mapping[Family, tuple[str, type[PluginRecord]]] = {
+    "sampler": ("ups_samplers", SamplerPlugin),
+    "comm_hook": ("ups_comm_hooks", CommHookPlugin),
+    "checkpoint": ("ups_checkpoint_backends", CheckpointBackendPlugin),
+    "launcher": ("ups_launchers", LauncherPlugin),
+}
+"""Each registration family: its hook and the record type the hook returns."""
+
+Status = Literal["enabled", "blocked", "failed"]
+
+
+@attrs.frozen
+class PluginInfo:
+    """A plugin the manager knows of, loaded or not."""
+
+    name: str
+    distribution: str
+    version: str
+    status: Status
+    error: str = ""
+    """Why it failed to load, when ``status`` is ``failed``."""
+
+
+@attrs.frozen
+class Provided:
+    """A record and the plugin that registered it."""
+
+    record: PluginRecord
+    plugin: str
+
+
+class Registry:
+    """The loaded plugins and, per family, the records they provide by name."""
+
+    def __init__(self, manager: pluggy.PluginManager, plugins: tuple[PluginInfo, ...]) -> None:
+        self.manager = manager
+        self.plugins = plugins
+        self._records: dict[Family, dict[str, Provided]] = {}
+
+    def records(self, family: Family) -> dict[str, Provided]:
+        """Every record of ``family`` by name.
+
+        :raises UsageError: when two plugins claim one name, or a hook returns a wrong type.
+        """
+        if family not in self._records:
+            self._records[family] = self._collect(family)
+        return self._records[family]
+
+    def get(self, family: Family, name: str, key: str) -> PluginRecord:
+        """The record of ``family`` called ``name``, selected by the config at ``key``.
+
+        :raises ConfigError: naming ``key``, the plugins available, and any that failed to load.
+        """
+        records = self.records(family)
+        if name in records:
+            return records[name].record
+        failed = [p for p in self.plugins if p.status == "failed"]
+        note = "".join(
+            f"; plugin {p.name!r} ({p.distribution} {p.version}) failed to load: {p.error}"
+            for p in failed
+        )
+        raise ConfigError(
+            key,
+            f"unknown {family.replace('_', ' ')} {name!r}; available: {one_of(records)}"
+            f"{did_you_mean(name, records)}{note}",
+        )
+
+    def select(
+        self, family: Family, name: str, options: Mapping[str, Any], key: str
+    ) -> tuple[Any, Any]:
+        """The record ``name`` of ``family`` and ``options`` built into its options class.
+
+        :param key: the config section selecting it (``sampler``), for error messages.
+        :raises ConfigError: an unknown name, or an options key or value the plugin refuses.
+        """
+        record = self.get(family, name, f"{key}.name")
+        return record, structure(record.options, dict(options), f"{key}.options")
+
+    def _collect(self, family: Family) -> dict[str, Provided]:
+        hook_name, record_type = FAMILIES[family]
+        found: dict[str, Provided] = {}
+        for impl in getattr(self.manager.hook, hook_name).get_hookimpls():
+            for record in impl.function() or ():
+                if not isinstance(record, record_type):
+                    raise UsageError(
+                        f"plugin {impl.plugin_name!r}: {hook_name} returned "
+                        f"{type(record).__name__}, expected {record_type.__name__}"
+                    )
+                if record.name in found:
+                    raise UsageError(
+                        f"{family.replace('_', ' ')} {record.name!r} is registered by both plugin "
+                        f"{found[record.name].plugin!r} and plugin {impl.plugin_name!r}; "
+                        f"uninstall one or block it with {BLOCK_ENV}"
+                    )
+                found[record.name] = Provided(record=record, plugin=impl.plugin_name)
+        return found
+
+
+def load_plugins(
+    extra: Iterable[tuple[str, object]] = (), env: Mapping[str, str] | None = None
+) -> Registry:
+    """Build the plugin manager: built-ins, then entry points, then ``extra`` ``(name, plugin)``.
+
+    A plugin that fails to import is logged and listed with ``status="failed"``; it only
+    becomes an error when the config selects something it would have provided.
+
+    :raises UsageError: when a plugin implements a hook that has no spec.
+    """
+    env = os.environ if env is None else env
+    blocked = {n.strip() for n in env.get(BLOCK_ENV, "").split(",") if n.strip()}
+    manager = pluggy.PluginManager(NAME)
+    manager.add_hookspecs(hookspecs)
+    core_version = _version(BUILTIN_NAME)
+    infos = [_register_builtins(manager, blocked, core_version)]
+    if env.get(AUTOLOAD_ENV, "").strip().lower() not in ("1", "true", "yes"):
+        for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            infos.append(_register_entry_point(manager, entry_point, blocked))
+    for name, plugin in extra:
+        manager.register(plugin, name=name)
+        infos.append(PluginInfo(name, "(registered in code)", "", "enabled"))
+    try:
+        manager.check_pending()
+    except pluggy.PluginValidationError as error:
+        raise UsageError(f"plugin {manager.get_name(error.plugin)!r}: {error}") from None
+    return Registry(manager, tuple(infos))
+
+
+def _register_builtins(manager: pluggy.PluginManager, blocked: set[str], version: str) -> PluginInfo:
+    if BUILTIN_NAME in blocked:
+        log.info("plugin blocked", plugin=BUILTIN_NAME, env=BLOCK_ENV)
+        return PluginInfo(BUILTIN_NAME, BUILTIN_NAME, version, "blocked")
+    manager.register(importlib.import_module(BUILTINS), name=BUILTIN_NAME)
+    return PluginInfo(BUILTIN_NAME, BUILTIN_NAME, version, "enabled")
+
+
+def _register_entry_point(
+    manager: pluggy.PluginManager, entry_point: metadata.EntryPoint, blocked: set[str]
+) -> PluginInfo:
+    dist = entry_point.dist
+    dist_name = dist.metadata["Name"] if dist is not None else "(unknown distribution)"
+    version = dist.version if dist is not None else ""
+    if entry_point.name in blocked:
+        log.info("plugin blocked", plugin=entry_point.name, distribution=dist_name, env=BLOCK_ENV)
+        return PluginInfo(entry_point.name, dist_name, version, "blocked")
+    if manager.has_plugin(entry_point.name):
+        return PluginInfo(entry_point.name, dist_name, version, "failed", "name already loaded")
+    try:
+        plugin = entry_point.load()
+        manager.register(plugin, name=entry_point.name)
+    except Exception as error:  # noqa: BLE001 - a broken plugin must not stop the others
+        reason = f"{type(error).__name__}: {error}"
+        log.warning(
+            "plugin failed to load; skipped",
+            plugin=entry_point.name, distribution=dist_name, version=version, error=reason,
+        )
+        return PluginInfo(entry_point.name, dist_name, version, "failed", reason)
+    return PluginInfo(entry_point.name, dist_name, version, "enabled")
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return ""

@@ -1,0 +1,167 @@
+"""The records registration hooks return, and the interfaces their factories build.
+
+Each family's hook returns an iterable of one record type. A record names its plugin (a short,
+lowercase, unique name the config selects it by), the factory the engine calls, and the attrs
+class its ``options`` mapping in the config is checked against.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sized
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Sampler
+
+from .context import RunContext
+
+_NAME = re.compile(r"[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*")
+
+
+def _valid_name(_instance: object, _attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(
+            f"plugin name {value!r} is not allowed: use lowercase letters, digits, '-' and '_', "
+            "starting with a letter"
+        )
+
+
+@attrs.frozen
+class NoOptions:
+    """The options class of a plugin that takes none: any key in ``options`` is an error."""
+
+
+@attrs.frozen(kw_only=True)
+class PluginRecord:
+    """What every registration record holds."""
+
+    name: str = attrs.field(validator=_valid_name)
+    """The name the config selects the plugin by, e.g. ``sampler: {name: torch}``."""
+    options: type = NoOptions
+    """An attrs class; the config's ``options`` mapping is checked against and built into it."""
+    description: str = ""
+    """One line shown by ``ups plugins``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Samplers
+
+
+class SamplerFactory(Protocol):
+    """Builds the training sampler for this rank."""
+
+    def __call__(
+        self, dataset: Sized, *, ctx: RunContext, seed: int, options: Any
+    ) -> Sampler[int]: ...
+
+
+@attrs.frozen(kw_only=True)
+class SamplerPlugin(PluginRecord):
+    """A distributed sampler. ``set_epoch(epoch)``, if the sampler has it, is called every epoch."""
+
+    factory: SamplerFactory
+    multi_task: bool = False
+    """Whether it balances the tasks of multi-task data (``data.tasks``) across ranks."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication hooks
+
+
+class CommHookFactory(Protocol):
+    """Registers a DDP communication hook on ``ddp`` and returns the hook's state (or ``None``)."""
+
+    def __call__(
+        self, ddp: DistributedDataParallel, *, ctx: RunContext, options: Any
+    ) -> object | None: ...
+
+
+@attrs.frozen(kw_only=True)
+class CommHookPlugin(PluginRecord):
+    """A DDP communication hook (gradient compression, profiling, ...)."""
+
+    factory: CommHookFactory
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint backends
+
+
+class Checkpointer(Protocol):
+    """Saves and loads training state. Both methods are collectives: every rank calls them."""
+
+    def save(self, state: Mapping[str, Any], *, step: int) -> str:
+        """Save ``state`` (rank 0's is kept for replicated entries); return where it went."""
+        ...
+
+    def load_latest(self) -> tuple[int, dict[str, Any]] | None:
+        """Return ``(step, state)`` of the newest complete checkpoint, or ``None`` if none."""
+        ...
+
+
+class CheckpointFactory(Protocol):
+    """Builds a checkpointer writing under ``directory``."""
+
+    def __call__(self, *, ctx: RunContext, directory: Path, options: Any) -> Checkpointer: ...
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointBackendPlugin(PluginRecord):
+    """A place and format to keep checkpoints in."""
+
+    factory: CheckpointFactory
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+@attrs.frozen(kw_only=True)
+class LaunchRequest:
+    """What to run: a config file on ``nnodes`` machines of ``nproc_per_node`` processes each."""
+
+    config: Path
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    overrides: tuple[str, ...] = ()
+    run_dir: Path = Path("runs")
+
+
+class Launcher(Protocol):
+    """Starts and follows jobs on some infrastructure (modelled on torchx's schedulers)."""
+
+    def dry_run(self, request: LaunchRequest) -> str:
+        """Exactly what :meth:`submit` would run or send, secrets redacted."""
+        ...
+
+    def submit(self, request: LaunchRequest) -> str:
+        """Start the job; return a handle that the other methods accept."""
+        ...
+
+    def status(self, handle: str) -> str:
+        """The job's state, e.g. ``PENDING``, ``RUNNING``, ``SUCCEEDED``, ``FAILED``."""
+        ...
+
+    def logs(self, handle: str) -> str:
+        """The job's output so far."""
+        ...
+
+    def cancel(self, handle: str) -> None:
+        """Stop the job and release what it holds."""
+        ...
+
+
+class LauncherFactory(Protocol):
+    """Builds a launcher."""
+
+    def __call__(self, *, options: Any) -> Launcher: ...
+
+
+@attrs.frozen(kw_only=True)
+class LauncherPlugin(PluginRecord):
+    """A way to run a config somewhere: this machine, SLURM, a cloud."""
+
+    factory: LauncherFactory

@@ -1,0 +1,151 @@
+"""Build frozen attrs classes from plain data (parsed YAML), naming the key path of any mistake.
+
+Supported field types: ``bool``, ``int``, ``float``, ``str``, ``None``, ``Literal[...]``, unions
+of those, ``tuple[T, ...]``, ``dict[str, Any]`` and nested attrs classes. Field validators run
+before the instance is built, so their complaint is reported at the field's key path.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import attrs
+
+from .errors import ConfigError, did_you_mean, one_of
+
+T = TypeVar("T")
+
+
+@attrs.frozen(repr=False)
+class at_least:  # noqa: N801 - a validator reads like a phrase: at_least(1)
+    """Validator: the value is ``>= bound`` (or ``None``)."""
+
+    bound: float
+
+    def __call__(self, _inst: object, _attr: attrs.Attribute[Any], value: float | None) -> None:
+        if value is not None and value < self.bound:
+            raise ValueError(f"must be >= {self.bound}")
+
+    def __repr__(self) -> str:
+        return f"at_least({self.bound})"
+
+
+@attrs.frozen(repr=False)
+class above:  # noqa: N801
+    """Validator: the value is ``> bound`` (or ``None``)."""
+
+    bound: float
+
+    def __call__(self, _inst: object, _attr: attrs.Attribute[Any], value: float | None) -> None:
+        if value is not None and value <= self.bound:
+            raise ValueError(f"must be > {self.bound}")
+
+    def __repr__(self) -> str:
+        return f"above({self.bound})"
+
+
+def structure(cls: type[T], data: object, path: str = "") -> T:
+    """Build ``cls`` (an attrs class) from ``data`` (a mapping), checking every key and value.
+
+    :raises ConfigError: naming the key path, the bad value and what is allowed.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"expected a mapping of keys, got {_show(data)}")
+    fields = {f.name: f for f in attrs.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            raise ConfigError(
+                _join(path, str(key)),
+                f"unknown key; allowed: {one_of(fields)}{did_you_mean(str(key), fields)}",
+            )
+    kwargs = {}
+    for name, field in fields.items():
+        if name not in data:
+            if field.default is attrs.NOTHING:
+                raise ConfigError(_join(path, name), "is required")
+            continue
+        key = _join(path, name)
+        value = _convert(hints[name], data[name], key)
+        if field.validator is not None:
+            try:
+                field.validator(None, field, value)
+            except (ValueError, TypeError) as error:
+                raise ConfigError(key, f"{_show(value)} is not allowed: {error}") from None
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: object, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if attrs.has(tp):
+        return structure(tp, value, key)
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        # bool is an int: compare with types, so `1` is not taken for `True`.
+        if any(value == a and type(value) is type(a) for a in allowed):
+            return value
+        raise ConfigError(key, f"{_show(value)} is not one of {_choices(allowed)}")
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        for option in options:
+            try:
+                return _convert(option, value, key)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"{_show(value)} is not {_describe(tp)}")
+    if origin is tuple:
+        (item, _ellipsis) = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(key, f"expected a list, got {_show(value)}")
+        return tuple(_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(key, f"expected a mapping with string keys, got {_show(value)}")
+        return dict(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is type(None) and value is None:
+        return None
+    if tp in (bool, int, float, str) and type(value) is tp:
+        return value
+    if tp is Any:
+        return value
+    raise ConfigError(key, f"expected {_describe(tp)}, got {_show(value)}")
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return f"one of {_choices(typing.get_args(tp))}"
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    return names.get(tp, "null" if tp is type(None) else getattr(tp, "__name__", str(tp)))
+
+
+def _choices(values: tuple[Any, ...]) -> str:
+    return ", ".join(_yaml(v) for v in values)
+
+
+def _yaml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
+def _show(value: object) -> str:
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value) if isinstance(value, str) else _yaml(value)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key

@@ -1,0 +1,58 @@
+"""Checks of a config against the plugins installed and the rules of sound DDP training.
+
+Errors raise :class:`~ups.core.errors.ConfigError`; advice comes back as warnings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import Config
+from .errors import ConfigError
+from .imports import load_object
+from .plugins import Registry
+
+MIN_GLOBAL_BATCH = 16
+"""Below this many samples per optimizer step over all ranks, gradients are mostly noise."""
+
+
+def validate(config: Config, registry: Registry, nproc: int | None = None) -> list[str]:
+    """Check everything that can be checked without training; return warnings.
+
+    Imports the model and data factories, checks every plugin section's name and options, and
+    applies seed 001's rules for multi-process and multi-task runs.
+
+    :param nproc: processes per machine if it differs from ``distributed.nproc`` (``--nproc``).
+    :raises ConfigError: at the first key whose value cannot work.
+    """
+    load_object(config.model.factory, "model.factory")
+    load_object(config.data.factory, "data.factory")
+    sampler, _ = registry.select("sampler", config.sampler.name, config.sampler.options, "sampler")
+    registry.select("comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook")
+    registry.select("checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint")
+    if config.launch.name is not None:
+        registry.select("launcher", config.launch.name, config.launch.options, "launch")
+
+    nproc = config.distributed.nproc if nproc is None else nproc
+    if config.distributed.backend == "nccl" and torch.cuda.device_count() < nproc:
+        raise ConfigError(
+            "distributed.backend",
+            f"'nccl' needs a CUDA device per process; this machine has {torch.cuda.device_count()} "
+            f"for {nproc} processes; allowed here: auto, gloo",
+        )
+    warnings = []
+    if nproc > 1 and len(config.data.tasks) > 1 and not sampler.multi_task:
+        warnings.append(
+            f"sampler.name: {config.sampler.name!r} treats the {len(config.data.tasks)} tasks of "
+            "data.tasks as one flat list, so ranks see unbalanced task mixes; choose a "
+            "multi-task sampler (ups-samplers provides one)"
+        )
+    global_batch = config.training.batch_size * nproc
+    if global_batch < MIN_GLOBAL_BATCH:
+        warnings.append(
+            f"training.batch_size: {config.training.batch_size} per rank x {nproc} ranks = "
+            f"{global_batch} samples per step, under {MIN_GLOBAL_BATCH}"
+        )
+    if nproc == 1 and config.comm_hook.name != "none":
+        warnings.append(f"comm_hook.name: {config.comm_hook.name!r} has no effect on one process")
+    return warnings
