@@ -48,7 +48,7 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
             "multi-task sampler (ups-samplers provides one)"
         )
     global_batch = config.training.batch_size * nproc
-    if global_batch < MIN_GLOBAL_BATCH:
+    if nproc > 1 and global_batch < MIN_GLOBAL_BATCH:
         warnings.append(
             f"training.batch_size: {config.training.batch_size} per rank x {nproc} ranks = "
             f"{global_batch} samples per step, under {MIN_GLOBAL_BATCH}"

@@ -1,0 +1,90 @@
+"""The ups command, run as users run it: a subprocess, its exit status, stdout and stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def ups(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"UPS_LOG_FORMAT": "json"}
+    return subprocess.run(
+        [sys.executable, "-m", "ups.core", *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
+    )
+
+
+def test_validate_accepts_a_good_config(project: Path) -> None:
+    result = ups("validate", str(project / "run.yaml"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{project / 'run.yaml'}: ok"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("training.epoch=2", "training.epoch: unknown key; allowed: batch_size, epochs, lr, "
+         "max_steps, optimizer, weight_decay, loss; did you mean 'epochs'?"),
+        ("sampler.name=torc", "sampler.name: unknown sampler 'torc'; available: "),
+        ("model.factory=tiny.py:nope", "model.factory: "),
+        ("model.factory=no_such_pkg.mod:f", "model.factory: cannot import 'no_such_pkg.mod'"),
+        ("checkpoint.options.keep_last=0", "checkpoint.options.keep_last: 0 is not allowed: must be >= 1"),
+        ("distributed.backend=nccl", "distributed.backend: 'nccl' needs a CUDA device per process"),
+    ],
+)
+def test_bad_config_is_one_line_and_exit_2(project: Path, override: str, message: str) -> None:
+    result = ups("validate", str(project / "run.yaml"), "-o", override)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("ups: error: ")
+    if message.startswith("training.epoch:"):
+        # allowed keys are listed sorted
+        assert "allowed: batch_size, epochs, loss, lr, max_steps, optimizer, weight_decay" in lines[0]
+        assert "did you mean 'epochs'?" in lines[0]
+    else:
+        assert message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_model_factory_that_is_not_a_module_is_a_usage_error(project: Path) -> None:
+    result = ups("train", str(project / "run.yaml"), "-o", "model.factory=tiny.py:not_a_model")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "ups: error: model.factory: returned int, not a torch.nn.Module"
+    assert "Traceback" not in result.stderr
+
+
+def test_usage_mistakes_exit_2(tmp_path: Path) -> None:
+    assert ups("nonsense").returncode == 2
+    missing = ups("train", str(tmp_path / "missing.yaml"))
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("ups: error: cannot read config file ")
+
+
+def test_multi_task_data_on_two_ranks_warns_about_the_sampler(project: Path) -> None:
+    result = ups("validate", str(project / "run.yaml"), "--nproc", "2", "-o", "data.tasks=[a, b]")
+    assert result.returncode == 0
+    warnings = [json.loads(line) for line in result.stderr.splitlines()]
+    assert any("treats the 2 tasks of data.tasks as one flat list" in w["event"] for w in warnings)
+
+
+def test_plugins_lists_the_builtins() -> None:
+    result = ups("plugins")
+    assert result.returncode == 0
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert rows[0] == ["FAMILY", "NAME", "PLUGIN", "DISTRIBUTION", "STATUS"]
+    assert ["sampler", "torch", "ups-dist-core", "ups-dist-core", "0.1.0", "enabled"] in rows
+    assert ["checkpoint", "simple", "ups-dist-core", "ups-dist-core", "0.1.0", "enabled"] in rows
+
+
+def test_train_on_one_process(project: Path) -> None:
+    result = ups("train", str(project / "run.yaml"), "-o", "training.max_steps=4")
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stderr.splitlines()]
+    assert events[-1]["event"] == "done" and events[-1]["steps"] == 4
+    assert "rank" not in events[-1]  # one process: no rank field

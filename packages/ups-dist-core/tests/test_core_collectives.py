@@ -1,0 +1,83 @@
+"""decide and all_mean on real 2-rank gloo groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ups.core import RankFailedError, RunContext, all_mean, decide
+from ups.core.simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
+from ups.core.testing import run_ranks
+
+
+def decide_by_rank(ctx: RunContext) -> dict[str, int]:
+    # Only rank 0's function runs: each rank would answer differently.
+    return decide(ctx, lambda: {"lr_multiplier": 10 + ctx.rank})
+
+
+def test_decide_returns_rank_0s_decision_everywhere() -> None:
+    assert run_ranks(decide_by_rank, 2) == [{"lr_multiplier": 10}, {"lr_multiplier": 10}]
+
+
+def fail_on_rank_0(ctx: RunContext) -> str:
+    def decision() -> str:
+        raise OSError("disk full")
+
+    try:
+        decide(ctx, decision)
+    except RankFailedError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_failed_decision_raises_on_every_rank_naming_rank_0() -> None:
+    assert run_ranks(fail_on_rank_0, 2) == ["rank 0 failed: OSError: disk full"] * 2
+
+
+def mean_of_ranks(ctx: RunContext) -> list[float]:
+    return all_mean(ctx, torch.tensor([float(ctx.rank), 10.0])).tolist()
+
+
+def test_all_mean() -> None:
+    assert run_ranks(mean_of_ranks, 2) == [[0.5, 10.0], [0.5, 10.0]]
+
+
+def save_and_load(ctx: RunContext, folder: str) -> tuple[str, int, list[float]]:
+    ckpt = SimpleCheckpointer(ctx=ctx, directory=Path(folder), options=SimpleCheckpointOptions(keep_last=2))
+    for step in (1, 2, 3):
+        location = ckpt.save({"w": torch.full((2,), float(step)), "rank": ctx.rank}, step=step)
+    loaded = ckpt.load_latest()
+    assert loaded is not None
+    step, state = loaded
+    assert state["rank"] == 0  # rank 0's state is the one kept
+    return location, step, state["w"].tolist()
+
+
+def test_simple_checkpoint_round_trip_and_retention(tmp_path: Path) -> None:
+    results = run_ranks(save_and_load, 2, str(tmp_path))
+    expected = str(tmp_path / "checkpoints" / "step-000000003.pt")
+    assert results == [(expected, 3, [3.0, 3.0])] * 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-000000002.pt", "step-000000003.pt",
+    ]
+
+
+class Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (print, ("pwned",))
+
+
+def test_simple_checkpoint_refuses_pickles_that_run_code(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"x": Evil()}, folder / "step-000000001.pt")
+    ckpt = SimpleCheckpointer(ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions())
+    with pytest.raises(Exception, match="Weights only load failed"):
+        ckpt.load_latest()
+
+
+def test_no_checkpoint_gives_none(tmp_path: Path) -> None:
+    ckpt = SimpleCheckpointer(ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions())
+    assert ckpt.load_latest() is None

@@ -1,0 +1,146 @@
+"""The plugin manager factory and registry: discovery, conflicts, failures, switches."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import attrs
+import pytest
+from structlog.testing import capture_logs
+
+from ups.core import CommHookPlugin, ConfigError, SamplerPlugin, UsageError, hookimpl
+from ups.core.builtins import torch_sampler
+from ups.core.plugins import AUTOLOAD_ENV, BLOCK_ENV, load_plugins
+
+
+@attrs.frozen
+class ReverseOptions:
+    stride: int = 1
+
+
+def plugin(**hooks: object) -> types.SimpleNamespace:
+    """A plugin object whose ``ups_*`` attributes are the given functions, marked as hookimpls."""
+    return types.SimpleNamespace(**{name: hookimpl(fn) for name, fn in hooks.items()})
+
+
+def samplers(*names: str, options: type = ReverseOptions) -> types.SimpleNamespace:
+    def ups_samplers() -> list[SamplerPlugin]:
+        return [SamplerPlugin(name=n, factory=torch_sampler, options=options) for n in names]
+
+    return plugin(ups_samplers=ups_samplers)
+
+
+NO_AUTOLOAD = {AUTOLOAD_ENV: "1"}
+
+
+def test_builtins_alone_provide_torch_defaults() -> None:
+    registry = load_plugins(env=NO_AUTOLOAD)
+    assert set(registry.records("sampler")) == {"torch"}
+    assert set(registry.records("comm_hook")) == {"none"}
+    assert set(registry.records("checkpoint")) == {"simple"}
+    assert registry.records("launcher") == {}
+    assert [(p.name, p.status) for p in registry.plugins] == [("ups-dist-core", "enabled")]
+
+
+def test_plugins_passed_in_code_are_registered() -> None:
+    registry = load_plugins(extra=[("mine", samplers("reverse"))], env=NO_AUTOLOAD)
+    assert registry.records("sampler")["reverse"].plugin == "mine"
+
+
+def test_a_name_claimed_twice_is_an_error_naming_both_plugins() -> None:
+    registry = load_plugins(
+        extra=[("first", samplers("reverse")), ("second", samplers("reverse"))], env=NO_AUTOLOAD
+    )
+    with pytest.raises(UsageError, match="'reverse' is registered by both plugin '.*' and plugin"):
+        registry.records("sampler")
+    with pytest.raises(UsageError) as info:
+        registry.records("sampler")
+    assert "'first'" in str(info.value) and "'second'" in str(info.value)
+
+
+def test_a_plugin_cannot_silently_override_a_builtin_name() -> None:
+    registry = load_plugins(extra=[("mine", samplers("torch"))], env=NO_AUTOLOAD)
+    with pytest.raises(UsageError, match="'ups-dist-core'"):
+        registry.records("sampler")
+
+
+def test_a_hook_returning_the_wrong_record_type_is_reported() -> None:
+    def ups_samplers() -> list[CommHookPlugin]:
+        return [CommHookPlugin(name="x", factory=lambda ddp, **kw: None)]
+
+    registry = load_plugins(extra=[("wrong", plugin(ups_samplers=ups_samplers))], env=NO_AUTOLOAD)
+    with pytest.raises(UsageError, match="'wrong': ups_samplers returned CommHookPlugin, expected SamplerPlugin"):
+        registry.records("sampler")
+
+
+def test_an_unknown_hook_fails_check_pending_naming_the_plugin() -> None:
+    with pytest.raises(UsageError, match="plugin 'typo'.*ups_sampler"):
+        load_plugins(extra=[("typo", plugin(ups_sampler=lambda: []))], env=NO_AUTOLOAD)
+
+
+def test_record_names_are_validated() -> None:
+    with pytest.raises(ValueError, match="plugin name 'Bad Name' is not allowed"):
+        SamplerPlugin(name="Bad Name", factory=torch_sampler)
+
+
+def test_select_builds_options_and_names_the_key_of_a_bad_one() -> None:
+    registry = load_plugins(extra=[("mine", samplers("reverse"))], env=NO_AUTOLOAD)
+    record, options = registry.select("sampler", "reverse", {"stride": 3}, "sampler")
+    assert record.name == "reverse" and options == ReverseOptions(stride=3)
+    with pytest.raises(ConfigError, match=r"^sampler.options.strid: unknown key; allowed: stride; did you mean 'stride'\?$"):
+        registry.select("sampler", "reverse", {"strid": 3}, "sampler")
+
+
+def test_an_unknown_name_lists_what_is_available() -> None:
+    registry = load_plugins(extra=[("mine", samplers("reverse"))], env=NO_AUTOLOAD)
+    with pytest.raises(ConfigError) as info:
+        registry.select("sampler", "revers", {}, "sampler")
+    assert str(info.value) == (
+        "sampler.name: unknown sampler 'revers'; available: reverse, torch; did you mean 'reverse'?"
+    )
+
+
+def write_distribution(site: Path, name: str, module: str, source: str) -> None:
+    """Install a distribution the way an installer does: its module and its dist-info folder."""
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{name.replace('-', '_')}-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(f"[ups]\n{name} = {module}\n")
+
+
+GOOD = """
+from ups.core import hookimpl, SamplerPlugin
+from ups.core.builtins import torch_sampler, TorchSamplerOptions
+
+@hookimpl
+def ups_samplers():
+    return [SamplerPlugin(name="third", factory=torch_sampler, options=TorchSamplerOptions)]
+"""
+
+
+def test_entry_points_are_discovered_blocked_and_broken_ones_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_distribution(tmp_path, "ups-third", "ups_third_plugin", GOOD)
+    write_distribution(tmp_path, "ups-broken", "ups_broken_plugin", "import no_such_module\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    with capture_logs() as logs:
+        registry = load_plugins(env={})
+    status = {p.name: (p.distribution, p.version, p.status) for p in registry.plugins}
+    assert status["ups-third"] == ("ups-third", "0.3", "enabled")
+    assert status["ups-broken"] == ("ups-broken", "0.3", "failed")
+    assert "third" in registry.records("sampler")
+    failed = [e for e in logs if e["event"] == "plugin failed to load; skipped"]
+    assert failed[0]["plugin"] == "ups-broken" and "no_such_module" in failed[0]["error"]
+    with pytest.raises(ConfigError, match="plugin 'ups-broken' \\(ups-broken 0.3\\) failed to load: ModuleNotFoundError"):
+        registry.get("sampler", "fancy", "sampler.name")
+
+    blocked = load_plugins(env={BLOCK_ENV: "ups-third, ups-broken"})
+    assert "third" not in blocked.records("sampler")
+    assert {p.name: p.status for p in blocked.plugins}["ups-third"] == "blocked"
+
+    no_autoload = load_plugins(env=NO_AUTOLOAD)
+    assert [p.name for p in no_autoload.plugins] == ["ups-dist-core"]
