@@ -1,0 +1,119 @@
+"""Test, lint and type-check sessions for the ups monorepo.
+
+``nox`` runs them all: one session per distribution (it installs that distribution and what it
+declares, then runs its own tests), the cross-package tests, lint, type-check, and a summary of
+every test run. torch is pinned to the release CI uses; users' ranges stay open.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+REPORTS = ROOT / ".nox-reports"
+TORCH = "torch==2.13.0"
+PACKAGES = {
+    "core": "ups-dist-core",
+    "samplers": "ups-samplers",
+    "ckpt": "ups-ckpt",
+    "comm_hooks": "ups-comm-hooks",
+    "cloud": "ups-cloud",
+}
+TOOLS = {"ruff": "ruff==0.17.6", "mypy": "mypy==2.4.1"}
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.sessions = [*(f"test-{p}" for p in PACKAGES), "integration", "lint", "typecheck", "summary"]
+
+GUARD = """
+import importlib, pathlib, sys
+root = pathlib.Path(sys.argv[1]).resolve()
+for name in sys.argv[2:]:
+    module = importlib.import_module(name)
+    where = pathlib.Path(module.__file__).resolve()
+    assert root in where.parents, f"{name} is imported from {where}, not from the tree {root}"
+"""
+
+
+def requirements(distribution: str) -> list[str]:
+    """What a distribution declares (dependencies and its test extra), less the ups ones."""
+    project = tomllib.loads((ROOT / "packages" / distribution / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + project.get("optional-dependencies", {}).get("test", [])
+    return [r for r in declared if not r.startswith("ups-")]
+
+
+def install(session: nox.Session, *short_names: str) -> None:
+    """Install distributions from the tree (editable) and what they declare, then check that
+    their modules are imported from the tree, never from a stale installed copy."""
+    dists = [PACKAGES[n] for n in short_names]
+    needs = sorted({r for d in dists for r in requirements(d)})
+    session.install(TORCH, *(r for r in needs if not r.startswith("torch")))
+    # --no-deps: each plugin package's ups-dist-core requirement names the tree's copy, which
+    # is already here, editable.
+    session.install("--no-deps", *(arg for d in dists for arg in ("-e", f"packages/{d}")))
+    modules = [f"ups.{n}" for n in short_names]
+    session.run("python", "-c", GUARD, str(ROOT), *modules)
+
+
+def pytest(session: nox.Session, name: str, *paths: str) -> None:
+    REPORTS.mkdir(exist_ok=True)
+    session.run(
+        "python", "-m", "pytest", "-c", "pyproject.toml", f"--junitxml={REPORTS / name}.xml",
+        *paths, *session.posargs,
+    )
+
+
+def _package_session(short: str) -> None:
+    @nox.session(name=f"test-{short}")
+    def tests(session: nox.Session) -> None:
+        """Install this distribution with what it declares (and ups-dist-core); run its tests."""
+        install(session, *dict.fromkeys(["core", short]))
+        pytest(session, f"test-{short}", f"packages/{PACKAGES[short]}/tests")
+
+
+for _short in PACKAGES:
+    _package_session(_short)
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Every distribution together: end-to-end runs of the CLI, the example, third-party plugins."""
+    install(session, *PACKAGES)
+    pytest(session, "integration", "tests")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint and formatting."""
+    session.install(TOOLS["ruff"])
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over every distribution's sources."""
+    install(session, *PACKAGES)
+    session.install(TOOLS["mypy"], "types-PyYAML")
+    session.run("mypy", *(f"packages/{d}/src" for d in PACKAGES.values()))
+
+
+@nox.session(python=False)
+def summary(session: nox.Session) -> None:
+    """Add up the test sessions' JUnit reports into one closing line."""
+    totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+    reports = sorted(REPORTS.glob("*.xml"))
+    for report in reports:
+        for suite in ET.parse(report).getroot().iter("testsuite"):
+            for key in totals:
+                totals[key] += int(suite.get(key, 0))
+    failed = totals["failures"] + totals["errors"]
+    passed = totals["tests"] - failed - totals["skipped"]
+    print(f"{len(reports)} reports")
+    print(f"total: {passed} passed, {failed} failed, {totals['skipped']} skipped")
+    if failed or not reports:
+        session.error("some tests failed" if failed else "no test reports found")

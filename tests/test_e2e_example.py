@@ -1,0 +1,33 @@
+"""The bundled example, trained as the README's first command does: ups train --nproc 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_example_trains_on_two_ranks_with_one_log(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ups.core", "train", str(ROOT / "examples" / "pde_multitask.yaml"),
+         "--nproc", "2", "-o", f"run.output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=os.environ | {"UPS_LOG_FORMAT": "json"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    # rank 0 reports; the other rank stays quiet unless something is wrong
+    assert {e.get("rank") for e in events if e["level"] == "info"} == {0}
+    start = next(e for e in events if e["event"] == "training")
+    assert (start["world_size"], start["backend"]) == (2, "gloo")
+    losses = [e["loss"] for e in events if e["event"] == "step"]
+    assert len(losses) == 12  # 5 epochs x 24 steps, reported every 10
+    assert losses[-1] < losses[0] / 4
+    done = [e for e in events if e["event"] == "done"]
+    assert len(done) == 1 and done[0]["steps"] == 120
+    checkpoints = sorted(p.name for p in (tmp_path / "pde-multitask" / "checkpoints").iterdir())
+    assert checkpoints == ["step-000000100.pt", "step-000000120.pt"]
