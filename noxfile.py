@@ -7,11 +7,11 @@ every test run. torch is pinned to the release CI uses; users' ranges stay open.
 
 from __future__ import annotations
 
-import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nox
+import tomllib
 
 ROOT = Path(__file__).parent
 REPORTS = ROOT / ".nox-reports"
@@ -27,7 +27,13 @@ TOOLS = {"ruff": "ruff==0.17.6", "mypy": "mypy==2.4.1"}
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
-nox.options.sessions = [*(f"test-{p}" for p in PACKAGES), "integration", "lint", "typecheck", "summary"]
+nox.options.sessions = [
+    *(f"test-{p}" for p in PACKAGES),
+    "integration",
+    "lint",
+    "typecheck",
+    "summary",
+]
 
 GUARD = """
 import importlib, pathlib, sys
@@ -41,7 +47,9 @@ for name in sys.argv[2:]:
 
 def requirements(distribution: str) -> list[str]:
     """What a distribution declares (dependencies and its test extra), less the ups ones."""
-    project = tomllib.loads((ROOT / "packages" / distribution / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((ROOT / "packages" / distribution / "pyproject.toml").read_text())[
+        "project"
+    ]
     declared = project["dependencies"] + project.get("optional-dependencies", {}).get("test", [])
     return [r for r in declared if not r.startswith("ups-")]
 
@@ -62,8 +70,14 @@ def install(session: nox.Session, *short_names: str) -> None:
 def pytest(session: nox.Session, name: str, *paths: str) -> None:
     REPORTS.mkdir(exist_ok=True)
     session.run(
-        "python", "-m", "pytest", "-c", "pyproject.toml", f"--junitxml={REPORTS / name}.xml",
-        *paths, *session.posargs,
+        "python",
+        "-m",
+        "pytest",
+        "-c",
+        "pyproject.toml",
+        f"--junitxml={REPORTS / name}.xml",
+        *paths,
+        *session.posargs,
     )
 
 

@@ -30,10 +30,13 @@ def _initial_conditions(n: int, grid: int, generator: torch.Generator) -> tuple[
     return x, k, amplitude, phase
 
 
-def _solve(task: str, n: int, grid: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _solve(
+    task: str, n: int, grid: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     x, k, a, phi = _initial_conditions(n, grid, generator)
     modes = lambda shift, decay: (  # noqa: E731 - sum_k a_k decay_k sin(k (x - shift) + phi_k)
-        a[:, :, None] * decay[None, :, None]
+        a[:, :, None]
+        * decay[None, :, None]
         * torch.sin(k[None, :, None] * (x[None, None, :] - shift) + phi[:, :, None])
     ).sum(dim=1)
     u0 = modes(0.0, torch.ones(3))
@@ -53,7 +56,10 @@ def _solve(task: str, n: int, grid: int, generator: torch.Generator) -> tuple[to
 
 
 def build_dataset(
-    tasks: list[str] | tuple[str, ...] = TASKS, samples_per_task: int = 512, grid: int = 64, seed: int = 0
+    tasks: list[str] | tuple[str, ...] = TASKS,
+    samples_per_task: int = 512,
+    grid: int = 64,
+    seed: int = 0,
 ) -> ConcatDataset[tuple[torch.Tensor, ...]]:
     """One ``TensorDataset`` of ``(u0 + task code, u(T), task id)`` per task, concatenated."""
     generator = torch.Generator().manual_seed(seed)
@@ -69,7 +75,9 @@ def build_dataset(
 def build_model(grid: int = 64, tasks: int = len(TASKS), width: int = 128) -> nn.Module:
     """A small MLP from the initial condition and task code to the solution at ``T``."""
     return nn.Sequential(
-        nn.Linear(grid + tasks, width), nn.GELU(),
-        nn.Linear(width, width), nn.GELU(),
+        nn.Linear(grid + tasks, width),
+        nn.GELU(),
+        nn.Linear(width, width),
+        nn.GELU(),
         nn.Linear(width, grid),
     )

@@ -13,9 +13,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_example_trains_on_two_ranks_with_one_log(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "ups.core", "train", str(ROOT / "examples" / "pde_multitask.yaml"),
-         "--nproc", "2", "-o", f"run.output_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "ups.core",
+            "train",
+            str(ROOT / "examples" / "pde_multitask.yaml"),
+            "--nproc",
+            "2",
+            "-o",
+            f"run.output_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
         env=os.environ | {"UPS_LOG_FORMAT": "json"},
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -23,7 +23,16 @@ def test_installing_ups_samplers_alone(tmp_path: Path) -> None:
     run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
     python = venv / "bin" / "python"
     # torch pinned to the build on this machine's disk; ups-samplers itself asks for any torch >= 2.2
-    run(python, "-m", "pip", "install", "-q", "torch==2.13.0", ROOT / "packages" / "ups-samplers", cwd=tmp_path)
+    run(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "torch==2.13.0",
+        ROOT / "packages" / "ups-samplers",
+        cwd=tmp_path,
+    )
     installed = run(python, "-m", "pip", "list", "--format=freeze", cwd=tmp_path).lower()
     names = {line.split("==")[0] for line in installed.split()}
     assert {"ups-dist-core", "ups-samplers", "torch"} <= names

@@ -74,11 +74,17 @@ def ups(site: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"PYTHONPATH": str(site), "UPS_LOG_FORMAT": "json"}
     return subprocess.run(
         [sys.executable, "-m", "ups.core", *args],
-        capture_output=True, text=True, timeout=300, env=env, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=cwd,
     )
 
 
-def test_plugins_lists_the_third_party_plugin_and_the_broken_one(site: Path, tmp_path: Path) -> None:
+def test_plugins_lists_the_third_party_plugin_and_the_broken_one(
+    site: Path, tmp_path: Path
+) -> None:
     result = ups(site, "plugins", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = [line.split(None, 5) for line in result.stdout.splitlines()]
@@ -90,18 +96,22 @@ def test_plugins_lists_the_third_party_plugin_and_the_broken_one(site: Path, tmp
 
 
 def config(tmp_path: Path, sampler: str) -> Path:
-    (tmp_path / "run.yaml").write_text(textwrap.dedent(f"""\
+    (tmp_path / "run.yaml").write_text(
+        textwrap.dedent(f"""\
         run: {{name: reverse, output_dir: {tmp_path / "runs"}, log_every: 1}}
         model: {{factory: {ROOT / "examples" / "pde_multitask.py"}:build_model}}
         data: {{factory: {ROOT / "examples" / "pde_multitask.py"}:build_dataset,
                 options: {{samples_per_task: 16}}}}
         training: {{epochs: 1, batch_size: 8}}
         sampler: {sampler}
-        """))
+        """)
+    )
     return tmp_path / "run.yaml"
 
 
-def test_the_third_party_sampler_is_selectable_and_trains_on_two_ranks(site: Path, tmp_path: Path) -> None:
+def test_the_third_party_sampler_is_selectable_and_trains_on_two_ranks(
+    site: Path, tmp_path: Path
+) -> None:
     path = config(tmp_path, "{name: reverse, options: {offset: 1}}")
     assert ups(site, "validate", str(path), cwd=tmp_path).returncode == 0
     result = ups(site, "train", str(path), "--nproc", "2", cwd=tmp_path)
@@ -111,18 +121,29 @@ def test_the_third_party_sampler_is_selectable_and_trains_on_two_ranks(site: Pat
     assert [e["steps"] for e in events if e["event"] == "done"] == [3]
 
 
-def test_a_bad_option_of_the_third_party_plugin_is_a_usage_error(site: Path, tmp_path: Path) -> None:
-    result = ups(site, "validate", str(config(tmp_path, "{name: reverse, options: {ofset: 1}}")), cwd=tmp_path)
+def test_a_bad_option_of_the_third_party_plugin_is_a_usage_error(
+    site: Path, tmp_path: Path
+) -> None:
+    result = ups(
+        site,
+        "validate",
+        str(config(tmp_path, "{name: reverse, options: {ofset: 1}}")),
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "ups: error: sampler.options.ofset: unknown key; allowed: offset; did you mean 'offset'?"
     )
 
 
-def test_selecting_a_name_nobody_provides_lists_the_available_and_the_broken(site: Path, tmp_path: Path) -> None:
+def test_selecting_a_name_nobody_provides_lists_the_available_and_the_broken(
+    site: Path, tmp_path: Path
+) -> None:
     result = ups(site, "validate", str(config(tmp_path, "{name: balanced}")), cwd=tmp_path)
     assert result.returncode == 2
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("ups: error: sampler.name: unknown sampler 'balanced'; available: ")
     assert "reverse" in line and "torch" in line
-    assert "plugin 'ups-broken' (ups-broken 1.2) failed to load: RuntimeError: half-installed" in line
+    assert (
+        "plugin 'ups-broken' (ups-broken 1.2) failed to load: RuntimeError: half-installed" in line
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-MODEL_AND_DATA = '''
+MODEL_AND_DATA = """
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -26,7 +26,7 @@ def build_dataset(n=64):
 
 def not_a_model():
     return 42
-'''
+"""
 
 
 @pytest.fixture

@@ -11,11 +11,17 @@ from pathlib import Path
 import pytest
 
 
-def ups(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def ups(
+    *args: str, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"UPS_LOG_FORMAT": "json"}
     return subprocess.run(
         [sys.executable, "-m", "ups.core", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
     )
 
 
@@ -28,12 +34,18 @@ def test_validate_accepts_a_good_config(project: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("training.epoch=2", "training.epoch: unknown key; allowed: batch_size, epochs, lr, "
-         "max_steps, optimizer, weight_decay, loss; did you mean 'epochs'?"),
+        (
+            "training.epoch=2",
+            "training.epoch: unknown key; allowed: batch_size, epochs, lr, "
+            "max_steps, optimizer, weight_decay, loss; did you mean 'epochs'?",
+        ),
         ("sampler.name=torc", "sampler.name: unknown sampler 'torc'; available: "),
         ("model.factory=tiny.py:nope", "model.factory: "),
         ("model.factory=no_such_pkg.mod:f", "model.factory: cannot import 'no_such_pkg.mod'"),
-        ("checkpoint.options.keep_last=0", "checkpoint.options.keep_last: 0 is not allowed: must be >= 1"),
+        (
+            "checkpoint.options.keep_last=0",
+            "checkpoint.options.keep_last: 0 is not allowed: must be >= 1",
+        ),
         ("distributed.backend=nccl", "distributed.backend: 'nccl' needs a CUDA device per process"),
     ],
 )
@@ -45,7 +57,9 @@ def test_bad_config_is_one_line_and_exit_2(project: Path, override: str, message
     assert lines[0].startswith("ups: error: ")
     if message.startswith("training.epoch:"):
         # allowed keys are listed sorted
-        assert "allowed: batch_size, epochs, loss, lr, max_steps, optimizer, weight_decay" in lines[0]
+        assert (
+            "allowed: batch_size, epochs, loss, lr, max_steps, optimizer, weight_decay" in lines[0]
+        )
         assert "did you mean 'epochs'?" in lines[0]
     else:
         assert message in lines[0]

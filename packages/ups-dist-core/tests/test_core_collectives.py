@@ -45,7 +45,9 @@ def test_all_mean() -> None:
 
 
 def save_and_load(ctx: RunContext, folder: str) -> tuple[str, int, list[float]]:
-    ckpt = SimpleCheckpointer(ctx=ctx, directory=Path(folder), options=SimpleCheckpointOptions(keep_last=2))
+    ckpt = SimpleCheckpointer(
+        ctx=ctx, directory=Path(folder), options=SimpleCheckpointOptions(keep_last=2)
+    )
     for step in (1, 2, 3):
         location = ckpt.save({"w": torch.full((2,), float(step)), "rank": ctx.rank}, step=step)
     loaded = ckpt.load_latest()
@@ -60,7 +62,8 @@ def test_simple_checkpoint_round_trip_and_retention(tmp_path: Path) -> None:
     expected = str(tmp_path / "checkpoints" / "step-000000003.pt")
     assert results == [(expected, 3, [3.0, 3.0])] * 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "step-000000002.pt", "step-000000003.pt",
+        "step-000000002.pt",
+        "step-000000003.pt",
     ]
 
 
@@ -73,11 +76,15 @@ def test_simple_checkpoint_refuses_pickles_that_run_code(tmp_path: Path) -> None
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     torch.save({"x": Evil()}, folder / "step-000000001.pt")
-    ckpt = SimpleCheckpointer(ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions())
+    ckpt = SimpleCheckpointer(
+        ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions()
+    )
     with pytest.raises(Exception, match="Weights only load failed"):
         ckpt.load_latest()
 
 
 def test_no_checkpoint_gives_none(tmp_path: Path) -> None:
-    ckpt = SimpleCheckpointer(ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions())
+    ckpt = SimpleCheckpointer(
+        ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions()
+    )
     assert ckpt.load_latest() is None

@@ -102,7 +102,9 @@ def test_load_config_names_the_file_and_resolves_relative_paths(project: Path) -
     c = load_config(project / "run.yaml", ["training.epochs=3"])
     assert c.training.epochs == 3
     assert c.model.factory == f"{project / 'tiny.py'}:build_model"
-    (project / "bad.yaml").write_text("model: {factory: a:b}\ndata: {factory: a:b}\nrun: {sed: 1}\n")
+    (project / "bad.yaml").write_text(
+        "model: {factory: a:b}\ndata: {factory: a:b}\nrun: {sed: 1}\n"
+    )
     with pytest.raises(ConfigError, match=r"bad.yaml: run.sed: unknown key.*did you mean 'seed'"):
         load_config(project / "bad.yaml")
 

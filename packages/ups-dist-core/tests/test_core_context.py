@@ -19,17 +19,36 @@ def test_no_launcher_means_a_single_process() -> None:
 
 
 def test_torchrun_variables() -> None:
-    env = torchrun_env(3, 4, 29500) | {"GROUP_RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    env = torchrun_env(3, 4, 29500) | {
+        "GROUP_RANK": "1",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
     place = read_placement(env)
-    assert (place.rank, place.local_rank, place.world_size, place.local_world_size, place.node_rank) == (3, 1, 4, 2, 1)
-    assert (place.launcher, place.master_addr, place.master_port) == ("torchrun", "127.0.0.1", 29500)
+    assert (
+        place.rank,
+        place.local_rank,
+        place.world_size,
+        place.local_world_size,
+        place.node_rank,
+    ) == (3, 1, 4, 2, 1)
+    assert (place.launcher, place.master_addr, place.master_port) == (
+        "torchrun",
+        "127.0.0.1",
+        29500,
+    )
 
 
 def slurm_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     return {
-        "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world_size), "SLURM_LOCALID": str(rank),
-        "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": str(port),
+        "SLURM_PROCID": str(rank),
+        "SLURM_NTASKS": str(world_size),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NODEID": "0",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "MASTER_PORT": str(port),
     }
 
 
@@ -37,7 +56,12 @@ def test_slurm_variables_and_the_rendezvous_host() -> None:
     env = slurm_env(1, 2, 0) | {"SLURM_JOB_NODELIST": "gpu[07-09,11],cpu1", "SLURM_NNODES": "4"}
     del env["MASTER_PORT"]
     place = read_placement(env)
-    assert (place.rank, place.world_size, place.launcher, place.master_addr) == (1, 2, "slurm", "gpu07")
+    assert (place.rank, place.world_size, place.launcher, place.master_addr) == (
+        1,
+        2,
+        "slurm",
+        "gpu07",
+    )
     assert place.master_port == 15000 + 4242
 
 
@@ -89,9 +113,13 @@ def test_one_rank_with_distributed_true_forms_a_real_group() -> None:
 
 
 def test_enabled_false_refuses_to_be_one_of_several_ranks() -> None:
-    with pytest.raises(UsageError, match="distributed.enabled is false but this process is rank 1 of 2"):
-        with distributed_session(False, env=torchrun_env(1, 2, 1)):
-            pass
+    with (
+        pytest.raises(
+            UsageError, match="distributed.enabled is false but this process is rank 1 of 2"
+        ),
+        distributed_session(False, env=torchrun_env(1, 2, 1)),
+    ):
+        pass
 
 
 UNREACHABLE = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
@@ -99,9 +127,13 @@ UNREACHABLE = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
 
 def test_failed_init_is_an_error_when_asked_for() -> None:
     env = UNREACHABLE | {"MASTER_PORT": str(free_port())}
-    with pytest.raises(UsageError, match="distributed.enabled is true but rank 1 of 2 could not join"):
-        with distributed_session(True, "gloo", timeout_s=1, env=env):
-            pass
+    with (
+        pytest.raises(
+            UsageError, match="distributed.enabled is true but rank 1 of 2 could not join"
+        ),
+        distributed_session(True, "gloo", timeout_s=1, env=env),
+    ):
+        pass
 
 
 def test_failed_init_falls_back_to_one_process_with_a_warning_on_auto() -> None:

@@ -70,7 +70,9 @@ def test_a_hook_returning_the_wrong_record_type_is_reported() -> None:
         return [CommHookPlugin(name="x", factory=lambda ddp, **kw: None)]
 
     registry = load_plugins(extra=[("wrong", plugin(ups_samplers=ups_samplers))], env=NO_AUTOLOAD)
-    with pytest.raises(UsageError, match="'wrong': ups_samplers returned CommHookPlugin, expected SamplerPlugin"):
+    with pytest.raises(
+        UsageError, match="'wrong': ups_samplers returned CommHookPlugin, expected SamplerPlugin"
+    ):
         registry.records("sampler")
 
 
@@ -88,7 +90,10 @@ def test_select_builds_options_and_names_the_key_of_a_bad_one() -> None:
     registry = load_plugins(extra=[("mine", samplers("reverse"))], env=NO_AUTOLOAD)
     record, options = registry.select("sampler", "reverse", {"stride": 3}, "sampler")
     assert record.name == "reverse" and options == ReverseOptions(stride=3)
-    with pytest.raises(ConfigError, match=r"^sampler.options.strid: unknown key; allowed: stride; did you mean 'stride'\?$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^sampler.options.strid: unknown key; allowed: stride; did you mean 'stride'\?$",
+    ):
         registry.select("sampler", "reverse", {"strid": 3}, "sampler")
 
 
@@ -135,7 +140,10 @@ def test_entry_points_are_discovered_blocked_and_broken_ones_reported(
     assert "third" in registry.records("sampler")
     failed = [e for e in logs if e["event"] == "plugin failed to load; skipped"]
     assert failed[0]["plugin"] == "ups-broken" and "no_such_module" in failed[0]["error"]
-    with pytest.raises(ConfigError, match="plugin 'ups-broken' \\(ups-broken 0.3\\) failed to load: ModuleNotFoundError"):
+    with pytest.raises(
+        ConfigError,
+        match="plugin 'ups-broken' \\(ups-broken 0.3\\) failed to load: ModuleNotFoundError",
+    ):
         registry.get("sampler", "fancy", "sampler.name")
 
     blocked = load_plugins(env={BLOCK_ENV: "ups-third, ups-broken"})

@@ -9,8 +9,8 @@ from .launch import run_processes, train
 from .markers import hookimpl
 from .plugins import Registry, load_plugins
 from .records import (
-    Checkpointer,
     CheckpointBackendPlugin,
+    Checkpointer,
     CommHookPlugin,
     Launcher,
     LauncherPlugin,

@@ -34,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a config, on --nproc local processes")
     train.add_argument("config", type=Path, help="the run's YAML file")
-    train.add_argument("--nproc", type=int, help="processes on this machine (default: distributed.nproc)")
+    train.add_argument(
+        "--nproc", type=int, help="processes on this machine (default: distributed.nproc)"
+    )
     _overrides(train)
 
     check = commands.add_parser("validate", help="check a config without training")
@@ -48,7 +50,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _overrides(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="set a config value, e.g. -o training.lr=3e-4 (repeatable)",
     )
 
@@ -101,14 +107,18 @@ def _plugins(args: argparse.Namespace) -> int:
     versions = {p.name: f"{p.distribution} {p.version}".strip() for p in registry.plugins}
     for family in FAMILIES:
         for name, provided in sorted(registry.records(family).items()):
-            rows.append((family, name, provided.plugin, versions.get(provided.plugin, ""), "enabled"))
+            rows.append(
+                (family, name, provided.plugin, versions.get(provided.plugin, ""), "enabled")
+            )
     for plugin in registry.plugins:
         if plugin.status != "enabled":
             status = plugin.status + (f": {plugin.error}" if plugin.error else "")
             rows.append(("-", "-", plugin.name, versions[plugin.name], status))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+        print(
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[4]
+        )
     return EXIT_OK
 
 

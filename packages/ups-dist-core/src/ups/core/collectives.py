@@ -7,8 +7,9 @@ enter a collective (it deadlocks).
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,13 +35,13 @@ def decide(ctx: RunContext, decision: Callable[[], T]) -> T:
     if ctx.is_main:
         try:
             payload[0] = ("ok", decision())
-        except Exception as error:  # noqa: BLE001 - handed to every rank below
+        except Exception as error:
             payload[0] = ("error", f"{type(error).__name__}: {error}")
     dist.broadcast_object_list(payload, src=0, device=_object_device(ctx))
-    status, value = payload[0]  # type: ignore[misc]
+    status, value = typing.cast(tuple[str, Any], payload[0])
     if status == "error":
         raise RankFailedError(f"rank 0 failed: {value}")
-    return value  # type: ignore[no-any-return]
+    return typing.cast(T, value)
 
 
 def all_mean(ctx: RunContext, values: torch.Tensor) -> torch.Tensor:

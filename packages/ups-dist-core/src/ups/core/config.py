@@ -162,13 +162,15 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with every ``key.path=value`` override set."""
-    result = json.loads(json.dumps(data))
+    result: dict[str, Any] = json.loads(json.dumps(data))
     for keys, value in parse_overrides(overrides):
         node = result
         for depth, part in enumerate(keys[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(".".join(keys[: depth + 1]), "is not a section; cannot override in it")
+                raise ConfigError(
+                    ".".join(keys[: depth + 1]), "is not a section; cannot override in it"
+                )
             node = child
         node[keys[-1]] = value
     return result

@@ -44,7 +44,7 @@ class RunContext:
     """Number of processes on this machine."""
     node_rank: int = 0
     """Index of this machine in the job."""
-    device: torch.device = torch.device("cpu")
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
     """The device this rank computes on."""
     backend: str | None = None
     """The process group's backend (``gloo``/``nccl``), or ``None`` when not distributed."""
@@ -125,7 +125,9 @@ def read_placement(env: Mapping[str, str]) -> Placement:
             launcher="slurm",
             master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
             # The same port on every rank of a job, different for jobs sharing a node.
-            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 15000 + job_id % 20000,
+            master_port=_int(env, "MASTER_PORT")
+            if "MASTER_PORT" in env
+            else 15000 + job_id % 20000,
         )
     return Placement(
         rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, launcher="single"
@@ -182,7 +184,7 @@ def distributed_session(
     chosen = choose_backend(backend, place.local_rank)
     try:
         _init(place, chosen, timeout_s)
-    except Exception as error:  # noqa: BLE001 - any init failure is handled alike
+    except Exception as error:
         if enabled is True:
             raise UsageError(
                 f"distributed.enabled is true but rank {place.rank} of {place.world_size} could "
@@ -190,7 +192,9 @@ def distributed_session(
             ) from error
         log.warning(
             "distributed init failed; running as a single process",
-            rank=place.rank, backend=chosen, error=str(error),
+            rank=place.rank,
+            backend=chosen,
+            error=str(error),
         )
         yield _single(place)
         return

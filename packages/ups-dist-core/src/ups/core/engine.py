@@ -19,6 +19,7 @@ from .context import RunContext
 from .errors import ConfigError
 from .imports import load_object
 from .plugins import Registry
+from .records import Checkpointer
 
 log = structlog.get_logger()
 
@@ -27,7 +28,7 @@ LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "l1": nn.functional.l1_loss,
     "cross_entropy": nn.functional.cross_entropy,
 }
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
@@ -52,7 +53,9 @@ def build_model(config: Config) -> nn.Module:
     """Call ``model.factory(**model.options)``; check that it returns a module."""
     model = load_object(config.model.factory, "model.factory")(**config.model.options)
     if not isinstance(model, nn.Module):
-        raise ConfigError("model.factory", f"returned {type(model).__name__}, not a torch.nn.Module")
+        raise ConfigError(
+            "model.factory", f"returned {type(model).__name__}, not a torch.nn.Module"
+        )
     return model
 
 
@@ -60,7 +63,9 @@ def build_dataset(config: Config) -> Any:
     """Call ``data.factory(**data.options)``; check that it returns a sized dataset."""
     dataset = load_object(config.data.factory, "data.factory")(**config.data.options)
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-        raise ConfigError("data.factory", f"returned {type(dataset).__name__}, not a map-style dataset")
+        raise ConfigError(
+            "data.factory", f"returned {type(dataset).__name__}, not a map-style dataset"
+        )
     return dataset
 
 
@@ -69,7 +74,7 @@ def wrap(model: nn.Module, ctx: RunContext, config: Config) -> nn.Module:
     if not ctx.distributed:
         return model
     d = config.distributed
-    buffers: dict[str, bool] = {}
+    buffers: dict[str, Any] = {}
     if not d.broadcast_buffers:
         # torch >= 2.12 renamed it; the new name still syncs buffers once, at construction.
         renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
@@ -105,7 +110,9 @@ def _train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     sampler_plugin, sampler_options = registry.select(
         "sampler", config.sampler.name, config.sampler.options, "sampler"
     )
-    sampler = sampler_plugin.factory(dataset, ctx=ctx, seed=config.run.seed, options=sampler_options)
+    sampler = sampler_plugin.factory(
+        dataset, ctx=ctx, seed=config.run.seed, options=sampler_options
+    )
     loader = DataLoader(dataset, batch_size=config.training.batch_size, sampler=sampler)
     ddp = wrap(model, ctx, config)
     if isinstance(ddp, DistributedDataParallel):
@@ -116,15 +123,22 @@ def _train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     ckpt_plugin, ckpt_options = registry.select(
         "checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint"
     )
-    checkpointer = ckpt_plugin.factory(ctx=ctx, directory=config.run_dir, options=ckpt_options)
+    checkpointer: Checkpointer = ckpt_plugin.factory(
+        ctx=ctx, directory=config.run_dir, options=ckpt_options
+    )
     t = config.training
     optimizer = OPTIMIZERS[t.optimizer](ddp.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     loss_fn = LOSSES[t.loss]
 
     hook.ups_run_start(ctx=ctx, config=config)
     log.info(
-        "training", world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device),
-        samples=len(dataset), steps_per_epoch=len(loader), epochs=t.epochs,
+        "training",
+        world_size=ctx.world_size,
+        backend=ctx.backend,
+        device=str(ctx.device),
+        samples=len(dataset),
+        steps_per_epoch=len(loader),
+        epochs=t.epochs,
     )
 
     def checkpoint(step: int, epoch: int) -> str:
@@ -152,7 +166,7 @@ def _train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
             inputs, targets = batch[0].to(ctx.device), batch[1].to(ctx.device)
             loss = loss_fn(ddp(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             step += 1
             window += torch.tensor([loss.item(), 1.0], dtype=torch.float64)

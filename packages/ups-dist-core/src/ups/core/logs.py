@@ -39,9 +39,7 @@ def configure(ctx: RunContext, level: str = "info", fmt: Format | None = None) -
     """
     fmt = fmt or os.environ.get(FORMAT_ENV, "auto")  # type: ignore[assignment]
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
-    renderer = (
-        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
-    )
+    renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     threshold = logging.getLevelNamesMapping()[level.upper()]
     if not ctx.is_main:
         threshold = max(threshold, logging.WARNING)

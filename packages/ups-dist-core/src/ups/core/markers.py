@@ -12,10 +12,10 @@ NAME = "ups"
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-hookspec: Callable[[_F], _F] = pluggy.HookspecMarker(NAME)  # type: ignore[assignment]
+hookspec: Callable[[_F], _F] = pluggy.HookspecMarker(NAME)
 """Marks a function in :mod:`ups.core.hookspecs` as a hook specification."""
 
-hookimpl: Callable[[_F], _F] = pluggy.HookimplMarker(NAME)  # type: ignore[assignment]
+hookimpl: Callable[[_F], _F] = pluggy.HookimplMarker(NAME)
 """Marks a plugin's function as the implementation of the ``ups_*`` hook of the same name."""
 
 hookimpl_default = pluggy.HookimplMarker(NAME)(trylast=True)

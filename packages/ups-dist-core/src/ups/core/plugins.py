@@ -171,7 +171,9 @@ def load_plugins(
     return Registry(manager, tuple(infos))
 
 
-def _register_builtins(manager: pluggy.PluginManager, blocked: set[str], version: str) -> PluginInfo:
+def _register_builtins(
+    manager: pluggy.PluginManager, blocked: set[str], version: str
+) -> PluginInfo:
     if BUILTIN_NAME in blocked:
         log.info("plugin blocked", plugin=BUILTIN_NAME, env=BLOCK_ENV)
         return PluginInfo(BUILTIN_NAME, BUILTIN_NAME, version, "blocked")
@@ -193,11 +195,14 @@ def _register_entry_point(
     try:
         plugin = entry_point.load()
         manager.register(plugin, name=entry_point.name)
-    except Exception as error:  # noqa: BLE001 - a broken plugin must not stop the others
+    except Exception as error:
         reason = f"{type(error).__name__}: {error}"
         log.warning(
             "plugin failed to load; skipped",
-            plugin=entry_point.name, distribution=dist_name, version=version, error=reason,
+            plugin=entry_point.name,
+            distribution=dist_name,
+            version=version,
+            error=reason,
         )
         return PluginInfo(entry_point.name, dist_name, version, "failed", reason)
     return PluginInfo(entry_point.name, dist_name, version, "enabled")

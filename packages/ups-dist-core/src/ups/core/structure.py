@@ -58,7 +58,7 @@ def structure(cls: type[T], data: object, path: str = "") -> T:
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(path, f"expected a mapping of keys, got {_show(data)}")
-    fields = {f.name: f for f in attrs.fields(cls) if f.init}
+    fields = {f.name: f for f in attrs.fields(typing.cast(Any, cls)) if f.init}
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:

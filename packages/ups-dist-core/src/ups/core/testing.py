@@ -28,9 +28,13 @@ def free_port() -> int:
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The variables torchrun sets for ``rank`` of a one-machine job."""
     return {
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
     }
 
 
@@ -52,7 +56,10 @@ def run_ranks(
     spawn = multiprocessing.get_context("spawn")
     queue = spawn.Queue()
     procs = [
-        spawn.Process(target=_child, args=(fn, rank, dict(env(rank, world_size, port)), args, queue, timeout_s))
+        spawn.Process(
+            target=_child,
+            args=(fn, rank, dict(env(rank, world_size, port)), args, queue, timeout_s),
+        )
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -63,7 +70,7 @@ def run_ranks(
         for _ in procs:
             rank, ok, value = queue.get(timeout=timeout_s + 30)
             (results if ok else errors)[rank] = value
-    except Exception:  # noqa: BLE001 - queue.Empty: someone hangs
+    except Exception:
         missing = sorted(set(range(world_size)) - results.keys() - errors.keys())
         raise AssertionError(f"ranks {missing} did not finish within {timeout_s + 30}s") from None
     finally:
@@ -78,7 +85,11 @@ def run_ranks(
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[Any, ...], queue: Any,
+    fn: Callable[..., Any],
+    rank: int,
+    env: dict[str, str],
+    args: tuple[Any, ...],
+    queue: Any,
     timeout_s: float,
 ) -> None:
     os.environ.update(env)
@@ -86,5 +97,5 @@ def _child(
     try:
         with distributed_session(True, "gloo", timeout_s) as ctx:
             queue.put((rank, True, fn(ctx, *args)))
-    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+    except BaseException:
         queue.put((rank, False, traceback.format_exc()))
