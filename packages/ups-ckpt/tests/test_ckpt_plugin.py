@@ -1,0 +1,91 @@
+"""ups-ckpt as a plugin: registration, options, retention rule, and the engine using it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ups.ckpt import LocalCheckpointer, LocalCheckpointOptions, expired
+from ups.core import CheckpointBackendPlugin, ConfigError, RunContext, load_plugins
+from ups.core.config import config_from_mapping
+from ups.core.launch import train_here
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)
+
+
+def build_dataset(n: int = 32) -> torch.utils.data.TensorDataset:
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(1))
+    return torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+def test_the_local_backend_is_registered_by_the_entry_point() -> None:
+    registry = load_plugins(env={})
+    provided = registry.records("checkpoint")["local"]
+    assert provided.plugin == "ups-ckpt"
+    assert isinstance(provided.record, CheckpointBackendPlugin)
+    assert provided.record.factory is LocalCheckpointer
+    info = next(p for p in registry.plugins if p.name == "ups-ckpt")
+    assert (info.distribution, info.status) == ("ups-ckpt", "enabled")
+
+
+def test_options_are_checked_at_their_key_path() -> None:
+    registry = load_plugins(env={})
+    _, options = registry.select("checkpoint", "local", {"keep_last": 5}, "checkpoint")
+    assert options == LocalCheckpointOptions(keep_last=5)
+    with pytest.raises(ConfigError, match=r"checkpoint\.options\.keep_last: 0 is not allowed"):
+        registry.select("checkpoint", "local", {"keep_last": 0}, "checkpoint")
+    with pytest.raises(ConfigError, match=r"checkpoint\.options\.keep: unknown key"):
+        registry.select("checkpoint", "local", {"keep": 1}, "checkpoint")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.sets(st.integers(0, 50), max_size=12),
+    keep_last=st.integers(1, 6),
+    data=st.data(),
+)
+def test_retention_deletes_exactly_the_old_unprotected_steps(
+    steps: set[int], keep_last: int, data: st.DataObject
+) -> None:
+    protected = data.draw(st.one_of(st.none(), st.sampled_from(sorted(steps) or [0])))
+    deleted = expired(sorted(steps, reverse=True), keep_last, protected)
+    newest = sorted(steps)[-keep_last:]
+    assert deleted == sorted(deleted)
+    assert set(deleted) == steps - set(newest) - {protected}
+    assert protected not in deleted
+
+
+def test_retention_refuses_keeping_nothing() -> None:
+    with pytest.raises(ValueError, match="keep_last"):
+        expired([1, 2], 0)
+
+
+def test_the_engine_trains_and_checkpoints_with_it(tmp_path: Path) -> None:
+    config = config_from_mapping(
+        {
+            "run": {"name": "tiny", "output_dir": str(tmp_path), "log_every": 2},
+            "model": {"factory": f"{__file__}:build_model"},
+            "data": {"factory": f"{__file__}:build_dataset"},
+            "training": {"batch_size": 8, "epochs": 2, "max_steps": 6},
+            "checkpoint": {"name": "local", "every_steps": 2, "options": {"keep_last": 2}},
+        }
+    )
+    result = train_here(RunContext(), config)
+    folder = tmp_path / "tiny" / "checkpoints"
+    assert result.checkpoint == str(folder / "step-6")
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-4", "step-6"]
+    ckpt = LocalCheckpointer(
+        ctx=RunContext(), directory=tmp_path / "tiny", options=LocalCheckpointOptions()
+    )
+    loaded = ckpt.load_latest()
+    assert loaded is not None
+    step, state = loaded
+    assert step == 6 and state["step"] == 6
+    assert set(state["model"]) == {"weight", "bias"}

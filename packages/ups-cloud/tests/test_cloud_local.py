@@ -1,0 +1,265 @@
+"""The ``local`` launcher: its command line, and jobs it really starts, follows and cancels."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import ups.cloud
+from ups.cloud import LocalLauncher, LocalLauncherOptions
+from ups.core import ConfigError, LauncherPlugin, LaunchRequest, UsageError, load_plugins
+
+TINY = """
+import os
+import pathlib
+import signal
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def build_model(width=8, pid_dir=None, ignore_sigterm=False):
+    if pid_dir:
+        pathlib.Path(pid_dir, str(os.getpid())).touch()
+    if ignore_sigterm:  # a rank that only SIGKILL stops
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+def build_dataset(n=64):
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(1))
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+"""
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A tiny model/data module and a config ``run.yaml`` training it for 4 steps on 2 ranks."""
+    (tmp_path / "tiny.py").write_text(TINY)
+    (tmp_path / "run.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            run: {{name: tiny, output_dir: {tmp_path / "runs"}, log_every: 2}}
+            model: {{factory: tiny.py:build_model}}
+            data: {{factory: tiny.py:build_dataset, options: {{n: 64}}}}
+            training: {{epochs: 1, batch_size: 8, lr: 0.05}}
+            distributed: {{backend: gloo, timeout_s: 60}}
+            """
+        )
+    )
+    return tmp_path
+
+
+class Tidy(LocalLauncher):
+    """A launcher that remembers its jobs, so a test's teardown can cancel any left running."""
+
+    def __init__(self, *, options: LocalLauncherOptions) -> None:
+        super().__init__(options=options)
+        self.handles: list[str] = []
+
+    def submit(self, request: LaunchRequest) -> str:
+        self.handles.append(super().submit(request))
+        return self.handles[-1]
+
+
+@pytest.fixture
+def launcher() -> Iterator[LocalLauncher]:
+    """A launcher with a short grace period; every job it started is cancelled at teardown."""
+    launcher = Tidy(options=LocalLauncherOptions(cancel_grace_s=2))
+    try:
+        yield launcher
+    finally:
+        for handle in launcher.handles:
+            launcher.cancel(handle)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what} did not happen within {timeout_s}s")
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
+def group_members(pgid: int) -> list[int]:
+    """The living (not zombie) processes of the process group ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split() if stat else []
+        if fields and int(fields[2]) == pgid and fields[0] not in "ZX":
+            members.append(int(entry.name))
+    return members
+
+
+def events(text: str) -> list[dict[str, object]]:
+    """The JSON log events in ``text``."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                continue
+    return found
+
+
+def test_code_under_test_is_this_tree() -> None:
+    src = Path(__file__).resolve().parents[1] / "src"
+    assert Path(ups.cloud.__file__).resolve().is_relative_to(src)
+
+
+def test_the_local_launcher_is_registered_by_the_entry_point() -> None:
+    registry = load_plugins(env={})
+    provided = registry.records("launcher")["local"]
+    assert provided.plugin == "ups-cloud"
+    assert isinstance(provided.record, LauncherPlugin)
+    assert provided.record.factory is LocalLauncher
+    _, options = registry.select("launcher", "local", {"cancel_grace_s": 3}, "launch")
+    assert options == LocalLauncherOptions(python=sys.executable, cancel_grace_s=3.0)
+    with pytest.raises(
+        ConfigError, match=r"launch\.options\.cancel_grace_s: 0(\.0)? is not allowed"
+    ):
+        registry.select("launcher", "local", {"cancel_grace_s": 0}, "launch")
+
+
+def test_dry_run_is_the_exact_command_line(tmp_path: Path) -> None:
+    launcher = LocalLauncher(options=LocalLauncherOptions(python="/opt/py/bin/python3"))
+    config = tmp_path / "my run.yaml"
+    request = LaunchRequest(
+        config=config, nproc_per_node=4, overrides=("training.lr=3e-4", "run.name=a b")
+    )
+    assert launcher.dry_run(request) == (
+        "/opt/py/bin/python3 -m torch.distributed.run --standalone --nproc-per-node 4 "
+        f"-m ups.core train '{config.resolve()}' -o training.lr=3e-4 -o 'run.name=a b'"
+    )
+    assert shlex.split(launcher.dry_run(request)) == launcher.command(request)
+
+
+def test_more_than_one_node_is_refused() -> None:
+    launcher = LocalLauncher(options=LocalLauncherOptions())
+    request = LaunchRequest(config=Path("run.yaml"), nnodes=2)
+    with pytest.raises(UsageError, match="this machine only: nnodes must be 1, not 2"):
+        launcher.dry_run(request)
+    with pytest.raises(UsageError, match="nnodes"):
+        launcher.submit(request)
+
+
+def test_a_missing_config_or_job_is_a_usage_error(tmp_path: Path) -> None:
+    launcher = LocalLauncher(options=LocalLauncherOptions())
+    with pytest.raises(UsageError, match="cannot read config file"):
+        launcher.submit(LaunchRequest(config=tmp_path / "nope.yaml", run_dir=tmp_path))
+    with pytest.raises(UsageError, match="no job 'nope'"):
+        launcher.status("nope")
+    with pytest.raises(UsageError, match="no launch record"):
+        launcher.cancel(str(tmp_path))
+
+
+@pytest.mark.skipif(shutil.which("false") is None, reason="needs the `false` command")
+def test_a_job_that_exits_non_zero_fails(
+    project: Path, launcher: LocalLauncher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(project)
+    launcher.options = LocalLauncherOptions(python=str(shutil.which("false")))
+    handle = launcher.submit(LaunchRequest(config=Path("run.yaml"), run_dir=Path("jobs")))
+    assert handle == str(project / "jobs" / "tiny")
+    wait_for(lambda: launcher.status(handle) != "RUNNING", 30, "the job's end")
+    assert launcher.status(handle) == "FAILED"
+    assert launcher.status("jobs/tiny") == "FAILED"  # a relative folder works too
+    record = json.loads((project / "jobs" / "tiny" / "launch.json").read_text())
+    assert record["command"][0] == shutil.which("false")
+    assert json.loads((project / "jobs" / "tiny" / "exit.json").read_text())["returncode"] == 1
+
+    # Submitting again keeps the earlier launch's files.
+    handle = launcher.submit(LaunchRequest(config=Path("run.yaml"), run_dir=Path("jobs")))
+    wait_for(lambda: launcher.status(handle) != "RUNNING", 30, "the second job's end")
+    archived = list((project / "jobs" / "tiny" / "launches").iterdir())
+    assert len(archived) == 1
+    assert json.loads((archived[0] / "launch.json").read_text()) == record
+
+
+@pytest.mark.slow
+def test_a_submitted_run_trains_to_success(project: Path, launcher: LocalLauncher) -> None:
+    request = LaunchRequest(
+        config=project / "run.yaml",
+        nproc_per_node=2,
+        overrides=("training.max_steps=3",),
+        run_dir=project / "runs",
+    )
+    handle = launcher.submit(request)
+    assert handle == str(project / "runs" / "tiny")
+    record = json.loads((Path(handle) / "launch.json").read_text())
+    assert record["command_line"] == launcher.dry_run(request)
+    assert record["log"] == str(Path(handle) / "launch.log")
+
+    wait_for(lambda: launcher.status(handle) != "RUNNING", 120, "the run's end")
+    text = launcher.logs(handle)
+    assert launcher.status(handle) == "SUCCEEDED", text
+    done = [e for e in events(text) if e.get("event") == "done"]
+    assert done == [done[0]] and done[0]["steps"] == 3, text
+    assert (project / "runs" / "tiny" / "checkpoints" / "step-000000003.pt").is_file()
+    wait_for(lambda: gone(record["pid"]), 10, "the runner's exit")
+
+
+@pytest.mark.slow
+def test_cancel_stops_the_whole_job(project: Path, launcher: LocalLauncher) -> None:
+    pids = project / "pids"
+    pids.mkdir()
+    request = LaunchRequest(
+        config=project / "run.yaml",
+        nproc_per_node=2,
+        overrides=(
+            "training.epochs=100000",
+            "run.log_every=100000",
+            f"model.options.pid_dir={pids}",
+            "model.options.ignore_sigterm=true",  # so SIGKILL must finish the ranks
+        ),
+        run_dir=project / "runs",
+    )
+    handle = launcher.submit(request)
+    wait_for(lambda: len(list(pids.iterdir())) == 2, 120, "both ranks starting")
+    time.sleep(1)
+    assert launcher.status(handle) == "RUNNING"
+    leader = json.loads((Path(handle) / "launch.json").read_text())["pid"]
+    ranks = [int(p.name) for p in pids.iterdir()]
+    assert not any(gone(pid) for pid in [leader, *ranks])
+    assert len(group_members(leader)) >= 2  # the runner and torch's agent
+    with pytest.raises(UsageError, match="'tiny' is still running"):
+        launcher.submit(request)
+
+    started = time.monotonic()
+    launcher.cancel(handle)
+    assert time.monotonic() - started >= 2  # the grace period passed before SIGKILL
+    assert launcher.status(handle) == "CANCELLED"
+    assert all(gone(pid) for pid in [leader, *ranks])
+    assert group_members(leader) == []  # nothing is left in the job's process group
+    launcher.cancel(handle)  # cancelling an ended job changes nothing
+    assert launcher.status(handle) == "CANCELLED"
