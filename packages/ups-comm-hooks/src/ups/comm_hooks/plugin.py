@@ -1,0 +1,23 @@
+"""The ``ups-comm-hooks`` plugin: registers the communication hooks of this distribution."""
+
+from __future__ import annotations
+
+from ups.core import CommHookPlugin, hookimpl
+
+from ._compress import bf16_compression, fp16_compression
+
+
+@hookimpl
+def ups_comm_hooks() -> list[CommHookPlugin]:
+    return [
+        CommHookPlugin(
+            name="bf16",
+            factory=bf16_compression,
+            description="gradients averaged in bfloat16: half the bytes, any backend",
+        ),
+        CommHookPlugin(
+            name="fp16",
+            factory=fp16_compression,
+            description="gradients averaged in float16: half the bytes, any backend",
+        ),
+    ]

@@ -1,0 +1,70 @@
+"""The ``bf16`` and ``fp16`` hooks through the plugin contract: the registry and a config."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ups.comm_hooks import CompressionHook, plugin
+from ups.core import CommHookPlugin, ConfigError, NoOptions, load_plugins, train
+
+
+def test_the_entry_point_registers_both_hooks() -> None:
+    registry = load_plugins()
+    records = registry.records("comm_hook")
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        record = records[name].record
+        assert records[name].plugin == "ups-comm-hooks"
+        assert isinstance(record, CommHookPlugin)
+        assert record.factory == CompressionHook(dtype)
+        assert record.options is NoOptions
+    info = next(p for p in registry.plugins if p.name == "ups-comm-hooks")
+    assert (info.distribution, info.status) == ("ups-comm-hooks", "enabled")
+
+
+def test_the_hooks_take_no_options() -> None:
+    registry = load_plugins(
+        extra=[("ups-comm-hooks", plugin)], env={"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    )
+    with pytest.raises(ConfigError, match=r"comm_hook\.options\.ratio.*unknown key"):
+        registry.select("comm_hook", "bf16", {"ratio": 2}, "comm_hook")
+
+
+MODEL_AND_DATA = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def build_dataset(n):
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(1))
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+"""
+
+
+@pytest.mark.slow
+def test_a_config_trains_with_the_bf16_hook(tmp_path: Path) -> None:
+    (tmp_path / "tiny.py").write_text(MODEL_AND_DATA)
+    (tmp_path / "run.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            run: {{name: tiny, output_dir: {tmp_path / "runs"}, log_every: 4}}
+            model: {{factory: tiny.py:build_model}}
+            data: {{factory: tiny.py:build_dataset, options: {{n: 64}}}}
+            training: {{epochs: 4, batch_size: 8, lr: 0.01}}
+            distributed: {{backend: gloo}}
+            comm_hook: {{name: bf16}}
+            """
+        )
+    )
+    result = train(tmp_path / "run.yaml", nproc=2)
+    assert result.steps == 16
+    assert result.losses[-1] < result.losses[0] / 2
