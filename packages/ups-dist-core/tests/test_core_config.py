@@ -120,3 +120,23 @@ def test_missing_file_and_bad_yaml_are_usage_errors(tmp_path: Path) -> None:
 def test_digest_changes_with_any_value() -> None:
     assert config().digest() == config().digest()
     assert config().digest() != config(training={"lr": 0.5}).digest()
+
+
+def test_yaml_exponents_are_numbers_everywhere_and_dates_are_reported(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: {factory: m:f, options: {eps: 1e-6}}\ndata: {factory: m:g}\ntraining: {lr: 3e-4}\n"
+    )
+    c = load_config(path)
+    assert c.training.lr == pytest.approx(3e-4)
+    assert c.model.options["eps"] == pytest.approx(1e-6)  # free-form options too
+    path.write_text("model: {factory: m:f}\ndata: {factory: m:g}\nrun: {name: 2024-01-01}\n")
+    with pytest.raises(ConfigError, match="c.yaml: run.name: expected a string, got 2024-01-01"):
+        load_config(path)
+
+
+def test_a_bad_override_error_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {factory: m:f}\ndata: {factory: m:g}\n")
+    with pytest.raises(ConfigError, match=r"^.*c.yaml: model.factory: is not a section"):
+        load_config(path, ["model.factory.x=1"])

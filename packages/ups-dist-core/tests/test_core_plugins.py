@@ -59,10 +59,19 @@ def test_a_name_claimed_twice_is_an_error_naming_both_plugins() -> None:
     assert "'first'" in str(info.value) and "'second'" in str(info.value)
 
 
-def test_a_plugin_cannot_silently_override_a_builtin_name() -> None:
-    registry = load_plugins(extra=[("mine", samplers("torch"))], env=NO_AUTOLOAD)
-    with pytest.raises(UsageError, match="'ups-dist-core'"):
-        registry.records("sampler")
+def test_a_plugin_replaces_a_builtin_default_of_the_same_name_and_says_so() -> None:
+    with capture_logs() as logs:
+        registry = load_plugins(extra=[("mine", samplers("torch"))], env=NO_AUTOLOAD)
+        assert registry.records("sampler")["torch"].plugin == "mine"
+    assert logs == [
+        {
+            "event": "built-in replaced",
+            "family": "sampler",
+            "name": "torch",
+            "plugin": "mine",
+            "log_level": "info",
+        }
+    ]
 
 
 def test_a_hook_returning_the_wrong_record_type_is_reported() -> None:
@@ -76,9 +85,23 @@ def test_a_hook_returning_the_wrong_record_type_is_reported() -> None:
         registry.records("sampler")
 
 
-def test_an_unknown_hook_fails_check_pending_naming_the_plugin() -> None:
-    with pytest.raises(UsageError, match="plugin 'typo'.*ups_sampler"):
+def test_an_unknown_hook_in_code_is_a_usage_error_naming_the_plugin() -> None:
+    with pytest.raises(
+        UsageError,
+        match="^plugin 'typo': unknown hook 'ups_sampler'; did you mean 'ups_samplers'\\?$",
+    ):
         load_plugins(extra=[("typo", plugin(ups_sampler=lambda: []))], env=NO_AUTOLOAD)
+
+
+def test_a_hook_that_raises_is_reported_with_the_plugin_name() -> None:
+    def ups_samplers() -> list[SamplerPlugin]:
+        return [SamplerPlugin(name="Not Valid", factory=torch_sampler)]
+
+    registry = load_plugins(extra=[("bad", plugin(ups_samplers=ups_samplers))], env=NO_AUTOLOAD)
+    with pytest.raises(
+        UsageError, match="^plugin 'bad': ups_samplers failed: ValueError: plugin name 'Not Valid'"
+    ):
+        registry.records("sampler")
 
 
 def test_record_names_are_validated() -> None:
@@ -130,6 +153,12 @@ def test_entry_points_are_discovered_blocked_and_broken_ones_reported(
 ) -> None:
     write_distribution(tmp_path, "ups-third", "ups_third_plugin", GOOD)
     write_distribution(tmp_path, "ups-broken", "ups_broken_plugin", "import no_such_module\n")
+    write_distribution(
+        tmp_path,
+        "ups-typo",
+        "ups_typo_plugin",
+        "from ups.core import hookimpl\n\n@hookimpl\ndef ups_run_stat(ctx):\n    pass\n",
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
 
     with capture_logs() as logs:
@@ -137,6 +166,13 @@ def test_entry_points_are_discovered_blocked_and_broken_ones_reported(
     status = {p.name: (p.distribution, p.version, p.status) for p in registry.plugins}
     assert status["ups-third"] == ("ups-third", "0.3", "enabled")
     assert status["ups-broken"] == ("ups-broken", "0.3", "failed")
+    assert status["ups-typo"] == ("ups-typo", "0.3", "failed")
+    typo = next(p for p in registry.plugins if p.name == "ups-typo")
+    assert (
+        typo.error
+        == "PluginValidationError: unknown hook 'ups_run_stat'; did you mean 'ups_run_start'?"
+    )
+    assert not registry.manager.has_plugin("ups-typo")
     assert "third" in registry.records("sampler")
     failed = [e for e in logs if e["event"] == "plugin failed to load; skipped"]
     assert failed[0]["plugin"] == "ups-broken" and "no_such_module" in failed[0]["error"]

@@ -18,6 +18,7 @@ from .records import (
     NoOptions,
     SamplerPlugin,
 )
+from .structure import above, at_least
 
 __all__ = [
     "CheckpointBackendPlugin",
@@ -35,7 +36,9 @@ __all__ = [
     "SamplerPlugin",
     "TrainResult",
     "UsageError",
+    "above",
     "all_mean",
+    "at_least",
     "decide",
     "distributed_session",
     "hookimpl",

@@ -61,6 +61,7 @@ def _overrides(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ups`` command line; return its exit status."""
+    logs.configure(RunContext())  # until a run knows its rank
     try:
         args = _parser().parse_args(argv)
         return _COMMANDS[args.command](args)
@@ -95,13 +96,11 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _check(config: Config, registry: Registry, nproc: int | None) -> None:
-    logs.configure(RunContext())
     for warning in validate(config, registry, nproc):
         structlog.get_logger().warning(warning)
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    logs.configure(RunContext())
     registry = load_plugins()
     rows = [("FAMILY", "NAME", "PLUGIN", "DISTRIBUTION", "STATUS")]
     versions = {p.name: f"{p.distribution} {p.version}".strip() for p in registry.plugins}

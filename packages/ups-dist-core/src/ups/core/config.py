@@ -7,8 +7,10 @@ Overrides from the command line use dotted key paths: ``-o training.lr=3e-4``.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -145,6 +147,22 @@ class Config:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading numbers as YAML 1.2 does (``3e-4`` is a float, not a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML safely (no objects), with YAML 1.2's reading of exponent numbers."""
+    return yaml.load(text, Loader=_Loader)
+
+
 def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
     """Parse ``key.path=value`` strings; values are read as YAML scalars (``3e-4``, ``true``)."""
     parsed = []
@@ -153,7 +171,7 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
         if not sep or not key or any(not part for part in key.split(".")):
             raise UsageError(f"override {item!r} is not of the form key.path=value")
         try:
-            value = yaml.safe_load(text)
+            value = read_yaml(text)
         except yaml.YAMLError:
             value = text
         parsed.append((key.split("."), value))
@@ -162,7 +180,7 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with every ``key.path=value`` override set."""
-    result: dict[str, Any] = json.loads(json.dumps(data))
+    result = copy.deepcopy(data)
     for keys, value in parse_overrides(overrides):
         node = result
         for depth, part in enumerate(keys[:-1]):
@@ -191,16 +209,15 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     except OSError as error:
         raise UsageError(f"cannot read config file {path}: {error.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = read_yaml(text)
     except yaml.YAMLError as error:
         raise UsageError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise UsageError(f"{path}: the top level must be a mapping of sections")
-    data = apply_overrides(data, overrides)
     try:
-        config = structure(Config, data)
+        config = structure(Config, apply_overrides(data, overrides))
     except ConfigError as error:
         raise ConfigError(f"{path}: {error.path}", error.problem) from None
     return _resolve_paths(config, path.resolve().parent)

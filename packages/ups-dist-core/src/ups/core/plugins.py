@@ -126,20 +126,36 @@ class Registry:
         hook_name, record_type = FAMILIES[family]
         found: dict[str, Provided] = {}
         for impl in getattr(self.manager.hook, hook_name).get_hookimpls():
-            for record in impl.function() or ():
+            plugin = impl.plugin_name
+            try:
+                records = list(impl.function() or ())
+            except Exception as error:
+                raise UsageError(
+                    f"plugin {plugin!r}: {hook_name} failed: {type(error).__name__}: {error}"
+                ) from None
+            for record in records:
                 if not isinstance(record, record_type):
                     raise UsageError(
-                        f"plugin {impl.plugin_name!r}: {hook_name} returned "
+                        f"plugin {plugin!r}: {hook_name} returned "
                         f"{type(record).__name__}, expected {record_type.__name__}"
                     )
-                if record.name in found:
-                    raise UsageError(
-                        f"{family.replace('_', ' ')} {record.name!r} is registered by both plugin "
-                        f"{found[record.name].plugin!r} and plugin {impl.plugin_name!r}; "
-                        f"uninstall one or block it with {BLOCK_ENV}"
-                    )
-                found[record.name] = Provided(record=record, plugin=impl.plugin_name)
+                _add(found, family, Provided(record=record, plugin=plugin))
         return found
+
+
+def _add(found: dict[str, Provided], family: Family, new: Provided) -> None:
+    """Add ``new``; a plugin's record replaces a built-in default of the same name, any other
+    clash is an error naming both plugins."""
+    old = found.get(new.record.name)
+    if old is None or old.plugin == BUILTIN_NAME:
+        if old is not None:
+            log.info("built-in replaced", family=family, name=new.record.name, plugin=new.plugin)
+        found[new.record.name] = new
+    elif new.plugin != BUILTIN_NAME:
+        raise UsageError(
+            f"{family.replace('_', ' ')} {new.record.name!r} is registered by both plugin "
+            f"{old.plugin!r} and plugin {new.plugin!r}; uninstall one or block it with {BLOCK_ENV}"
+        )
 
 
 def load_plugins(
@@ -147,10 +163,11 @@ def load_plugins(
 ) -> Registry:
     """Build the plugin manager: built-ins, then entry points, then ``extra`` ``(name, plugin)``.
 
-    A plugin that fails to import is logged and listed with ``status="failed"``; it only
-    becomes an error when the config selects something it would have provided.
+    A plugin that fails to import, or implements a hook that has no spec, is logged and listed
+    with ``status="failed"``; it only becomes an error when the config selects something it
+    would have provided. A plugin's record replaces a built-in one of the same name.
 
-    :raises UsageError: when a plugin implements a hook that has no spec.
+    :raises UsageError: when a plugin of ``extra`` fails to register (say, a hook with no spec).
     """
     env = os.environ if env is None else env
     blocked = {n.strip() for n in env.get(BLOCK_ENV, "").split(",") if n.strip()}
@@ -162,13 +179,30 @@ def load_plugins(
         for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
             infos.append(_register_entry_point(manager, entry_point, blocked))
     for name, plugin in extra:
-        manager.register(plugin, name=name)
+        try:
+            _register(manager, plugin, name)
+        except (ValueError, pluggy.PluginValidationError) as error:
+            raise UsageError(f"plugin {name!r}: {error}") from None
         infos.append(PluginInfo(name, "(registered in code)", "", "enabled"))
-    try:
-        manager.check_pending()
-    except pluggy.PluginValidationError as error:
-        raise UsageError(f"plugin {manager.get_name(error.plugin)!r}: {error}") from None
+    manager.check_pending()  # every plugin was checked as it was registered
     return Registry(manager, tuple(infos))
+
+
+def _register(manager: pluggy.PluginManager, plugin: object, name: str) -> None:
+    """Register ``plugin``, refusing (and leaving out) one that implements a hook with no spec."""
+    manager.register(plugin, name=name)
+    specs = [
+        n for n in dir(manager.hook) if n.startswith("ups_") and getattr(manager.hook, n).has_spec()
+    ]
+    for attr in dir(plugin):
+        caller = getattr(manager.hook, attr, None)
+        if manager.parse_hookimpl_opts(plugin, attr) is not None and (
+            caller is None or not caller.has_spec()
+        ):
+            manager.unregister(plugin)
+            raise pluggy.PluginValidationError(
+                plugin, f"unknown hook {attr!r}{did_you_mean(attr, specs)}"
+            )
 
 
 def _register_builtins(
@@ -193,8 +227,7 @@ def _register_entry_point(
     if manager.has_plugin(entry_point.name):
         return PluginInfo(entry_point.name, dist_name, version, "failed", "name already loaded")
     try:
-        plugin = entry_point.load()
-        manager.register(plugin, name=entry_point.name)
+        _register(manager, entry_point.load(), entry_point.name)
     except Exception as error:
         reason = f"{type(error).__name__}: {error}"
         log.warning(

@@ -7,7 +7,6 @@ before the instance is built, so their complaint is reported at the field's key 
 
 from __future__ import annotations
 
-import re
 import types
 import typing
 from collections.abc import Mapping
@@ -18,7 +17,6 @@ import attrs
 from .errors import ConfigError, did_you_mean, one_of
 
 T = TypeVar("T")
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 @attrs.frozen(repr=False)
@@ -112,8 +110,6 @@ def _convert(tp: Any, value: object, key: str) -> Any:
         return dict(value)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-        return float(value)  # PyYAML (YAML 1.1) reads 3e-4, without a dot, as a string
     if tp is type(None) and value is None:
         return None
     if tp in (bool, int, float, str) and type(value) is tp:

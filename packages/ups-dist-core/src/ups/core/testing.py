@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
+import queue as queue_module
 import socket
 import traceback
 from collections.abc import Callable, Mapping
@@ -69,8 +71,11 @@ def run_ranks(
     try:
         for _ in procs:
             rank, ok, value = queue.get(timeout=timeout_s + 30)
-            (results if ok else errors)[rank] = value
-    except Exception:
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                errors[rank] = value
+    except queue_module.Empty:
         missing = sorted(set(range(world_size)) - results.keys() - errors.keys())
         raise AssertionError(f"ranks {missing} did not finish within {timeout_s + 30}s") from None
     finally:
@@ -96,6 +101,7 @@ def _child(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         with distributed_session(True, "gloo", timeout_s) as ctx:
-            queue.put((rank, True, fn(ctx, *args)))
-    except BaseException:
+            # Pickled here, so tensors travel as bytes, not as shared memory that dies with us.
+            queue.put((rank, True, pickle.dumps(fn(ctx, *args))))
+    except BaseException:  # reported to the parent with its traceback
         queue.put((rank, False, traceback.format_exc()))

@@ -44,8 +44,8 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     if nproc > 1 and len(config.data.tasks) > 1 and not sampler.multi_task:
         warnings.append(
             f"sampler.name: {config.sampler.name!r} treats the {len(config.data.tasks)} tasks of "
-            "data.tasks as one flat list, so ranks see unbalanced task mixes; choose a "
-            "multi-task sampler (ups-samplers provides one)"
+            "data.tasks as one flat list, so ranks see unbalanced task mixes; choose a sampler "
+            "that balances tasks (its plugin declares multi_task=True)"
         )
     global_batch = config.training.batch_size * nproc
     if nproc > 1 and global_batch < MIN_GLOBAL_BATCH:
