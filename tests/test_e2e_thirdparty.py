@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ups.core.testing import install_plugin
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PLUGIN = '''
@@ -51,22 +53,14 @@ def ups_samplers():
 '''
 
 
-def install(site: Path, name: str, module: str, source: str) -> None:
-    """What pip leaves behind for a distribution: its module and a dist-info with entry points."""
-    (site / f"{module}.py").write_text(source)
-    info = site / f"{name.replace('-', '_')}-1.2.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.2\n")
-    (info / "entry_points.txt").write_text(f"[ups]\n{name} = {module}\n")
-    (info / "RECORD").write_text("")
-
-
 @pytest.fixture
 def site(tmp_path: Path) -> Path:
     site = tmp_path / "site"
     site.mkdir()
-    install(site, "ups-reverse", "ups_reverse", PLUGIN)
-    install(site, "ups-broken", "ups_broken", "raise RuntimeError('half-installed')\n")
+    install_plugin(site, "ups-reverse", "ups_reverse", PLUGIN, "1.2")
+    install_plugin(
+        site, "ups-broken", "ups_broken", "raise RuntimeError('half-installed')\n", "1.2"
+    )
     return site
 
 

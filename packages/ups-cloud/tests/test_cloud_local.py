@@ -7,7 +7,6 @@ import os
 import shlex
 import shutil
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,47 +16,13 @@ import pytest
 import ups.cloud
 from ups.cloud import LocalLauncher, LocalLauncherOptions
 from ups.core import ConfigError, LauncherPlugin, LaunchRequest, UsageError, load_plugins
-
-TINY = """
-import os
-import pathlib
-import signal
-
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-
-
-def build_model(width=8, pid_dir=None, ignore_sigterm=False):
-    if pid_dir:
-        pathlib.Path(pid_dir, str(os.getpid())).touch()
-    if ignore_sigterm:  # a rank that only SIGKILL stops
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 1))
-
-
-def build_dataset(n=64):
-    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(1))
-    return TensorDataset(x, x.sum(dim=1, keepdim=True))
-"""
+from ups.core.testing import tiny_project
 
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """A tiny model/data module and a config ``run.yaml`` training it for 4 steps on 2 ranks."""
-    (tmp_path / "tiny.py").write_text(TINY)
-    (tmp_path / "run.yaml").write_text(
-        textwrap.dedent(
-            f"""\
-            run: {{name: tiny, output_dir: {tmp_path / "runs"}, log_every: 2}}
-            model: {{factory: tiny.py:build_model}}
-            data: {{factory: tiny.py:build_dataset, options: {{n: 64}}}}
-            training: {{epochs: 1, batch_size: 8, lr: 0.05}}
-            distributed: {{backend: gloo, timeout_s: 60}}
-            """
-        )
-    )
+    """The tiny problem (``ups.core.testing.tiny_project``), 1 epoch of 4 steps on 2 ranks."""
+    tiny_project(tmp_path, distributed={"backend": "gloo", "timeout_s": 60})
     return tmp_path
 
 
@@ -183,7 +148,6 @@ def test_a_missing_config_or_job_is_a_usage_error(tmp_path: Path) -> None:
         launcher.cancel(str(tmp_path))
 
 
-@pytest.mark.skipif(shutil.which("false") is None, reason="needs the `false` command")
 def test_a_job_that_exits_non_zero_fails(
     project: Path, launcher: LocalLauncher, monkeypatch: pytest.MonkeyPatch
 ) -> None:

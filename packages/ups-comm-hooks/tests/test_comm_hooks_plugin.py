@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from ups.comm_hooks import CompressionHook, plugin
 from ups.core import CommHookPlugin, ConfigError, NoOptions, load_plugins, train
+from ups.core.testing import tiny_project
 
 
 def test_the_entry_point_registers_both_hooks() -> None:
@@ -33,38 +33,16 @@ def test_the_hooks_take_no_options() -> None:
         registry.select("comm_hook", "bf16", {"ratio": 2}, "comm_hook")
 
 
-MODEL_AND_DATA = """
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-
-
-def build_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
-
-
-def build_dataset(n):
-    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(1))
-    return TensorDataset(x, x.sum(dim=1, keepdim=True))
-"""
-
-
 @pytest.mark.slow
 def test_a_config_trains_with_the_bf16_hook(tmp_path: Path) -> None:
-    (tmp_path / "tiny.py").write_text(MODEL_AND_DATA)
-    (tmp_path / "run.yaml").write_text(
-        textwrap.dedent(
-            f"""\
-            run: {{name: tiny, output_dir: {tmp_path / "runs"}, log_every: 4}}
-            model: {{factory: tiny.py:build_model}}
-            data: {{factory: tiny.py:build_dataset, options: {{n: 64}}}}
-            training: {{epochs: 4, batch_size: 8, lr: 0.01}}
-            distributed: {{backend: gloo}}
-            comm_hook: {{name: bf16}}
-            """
-        )
+    config = tiny_project(
+        tmp_path,
+        run={"log_every": 4},
+        model={"options": {"width": 16}},
+        training={"epochs": 4, "lr": 0.01},
+        distributed={"backend": "gloo"},
+        comm_hook={"name": "bf16"},
     )
-    result = train(tmp_path / "run.yaml", nproc=2)
+    result = train(config, nproc=2)
     assert result.steps == 16
     assert result.losses[-1] < result.losses[0] / 2

@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 from ups.core import CommHookPlugin, ConfigError, SamplerPlugin, UsageError, hookimpl
 from ups.core.builtins import torch_sampler
 from ups.core.plugins import AUTOLOAD_ENV, BLOCK_ENV, load_plugins
+from ups.core.testing import install_plugin
 
 
 @attrs.frozen
@@ -129,15 +130,6 @@ def test_an_unknown_name_lists_what_is_available() -> None:
     )
 
 
-def write_distribution(site: Path, name: str, module: str, source: str) -> None:
-    """Install a distribution the way an installer does: its module and its dist-info folder."""
-    (site / f"{module}.py").write_text(source)
-    info = site / f"{name.replace('-', '_')}-0.3.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.3\n")
-    (info / "entry_points.txt").write_text(f"[ups]\n{name} = {module}\n")
-
-
 GOOD = """
 from ups.core import hookimpl, SamplerPlugin
 from ups.core.builtins import torch_sampler, TorchSamplerOptions
@@ -151,13 +143,14 @@ def ups_samplers():
 def test_entry_points_are_discovered_blocked_and_broken_ones_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    write_distribution(tmp_path, "ups-third", "ups_third_plugin", GOOD)
-    write_distribution(tmp_path, "ups-broken", "ups_broken_plugin", "import no_such_module\n")
-    write_distribution(
+    install_plugin(tmp_path, "ups-third", "ups_third_plugin", GOOD, "0.3")
+    install_plugin(tmp_path, "ups-broken", "ups_broken_plugin", "import no_such_module\n", "0.3")
+    install_plugin(
         tmp_path,
         "ups-typo",
         "ups_typo_plugin",
         "from ups.core import hookimpl\n\n@hookimpl\ndef ups_run_stat(ctx):\n    pass\n",
+        "0.3",
     )
     monkeypatch.syspath_prepend(str(tmp_path))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 from typing import cast
 
@@ -10,7 +9,7 @@ import pytest
 from torch.utils.data import Dataset, DistributedSampler
 
 from ups.core import ConfigError, RunContext, SamplerPlugin, load_plugins, train
-from ups.core.testing import run_ranks
+from ups.core.testing import run_ranks, tiny_project
 from ups.samplers import TensorDistributedSampler, TensorSamplerOptions, plugin
 
 
@@ -78,37 +77,14 @@ def test_two_ranks_get_disjoint_shares_of_the_dataset() -> None:
     assert rank1[-1] == rank0[0]
 
 
-MODEL_AND_DATA = """
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-
-
-def build_model():
-    torch.manual_seed(0)
-    return nn.Linear(4, 1)
-
-
-def build_dataset(n):
-    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(1))
-    return TensorDataset(x, x.sum(dim=1, keepdim=True))
-"""
-
-
 @pytest.mark.slow
 def test_a_config_trains_with_the_tensor_sampler(tmp_path: Path) -> None:
-    (tmp_path / "tiny.py").write_text(MODEL_AND_DATA)
-    (tmp_path / "run.yaml").write_text(
-        textwrap.dedent(
-            f"""\
-            run: {{name: tiny, output_dir: {tmp_path / "runs"}}}
-            model: {{factory: tiny.py:build_model}}
-            data: {{factory: tiny.py:build_dataset, options: {{n: 65}}}}
-            training: {{epochs: 2, batch_size: 16, lr: 0.01}}
-            sampler: {{name: tensor, options: {{drop_last: true}}}}
-            """
-        )
+    config = tiny_project(
+        tmp_path,
+        data={"options": {"n": 65}},
+        training={"epochs": 2, "batch_size": 16, "lr": 0.01},
+        sampler={"name": "tensor", "options": {"drop_last": True}},
     )
-    result = train(tmp_path / "run.yaml", nproc=2)
+    result = train(config, nproc=2)
     # 65 samples, drop_last: 32 a rank, 2 batches of 16 an epoch (3 batches with padding).
     assert (result.steps, result.epochs) == (4, 2)

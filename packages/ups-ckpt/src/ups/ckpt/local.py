@@ -35,10 +35,9 @@ from typing import Any, TypeGuard, TypeVar
 import attrs
 import structlog
 import torch
-import torch.distributed as dist
 
-from ups.core import RankFailedError, RunContext, decide
-from ups.core.structure import at_least
+from ups.core import RankFailedError, RunContext, at_least, decide, gather_failures
+from ups.core.files import fsync_dir
 
 log = structlog.get_logger()
 
@@ -234,7 +233,7 @@ class LocalCheckpointer:
             raise ValueError(f"the state key {RNG_KEY!r} is reserved for per-rank RNG states")
         if not self.folder.is_dir():
             self.folder.mkdir(parents=True, exist_ok=True)
-            _fsync_dir(self.folder.parent)
+            fsync_dir(self.folder.parent)
         while True:
             tmp = self.folder / f".tmp-step-{step}-{secrets.token_hex(4)}"
             try:
@@ -263,7 +262,7 @@ class LocalCheckpointer:
                 saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             )
             _write_text(tmp / COMMIT_FILE, manifest.to_json(), exclusive=True)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():
                 # Saving a step again (after resuming): the new checkpoint replaces the old.
                 _remove(final, self.folder)
@@ -271,7 +270,7 @@ class LocalCheckpointer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         _write_text(self.folder / LATEST_FILE, final.name + "\n", exclusive=False)
         self._retain(protect=final.name)
         return str(final)
@@ -351,18 +350,13 @@ def _agree(ctx: RunContext, what: str, error: Exception | None) -> None:
     :class:`UnsafeCheckpointError` when every failing rank failed with one, else a
     :class:`CheckpointError`. A collective: every rank calls it, failed or not.
     """
-    mine = None if error is None else (type(error).__name__, str(error))
-    gathered: list[tuple[str, str] | None] = [mine]
-    if ctx.distributed:
-        gathered = [None] * ctx.world_size
-        dist.all_gather_object(gathered, mine)
-    failed = {rank: failure for rank, failure in enumerate(gathered) if failure is not None}
+    failed = gather_failures(ctx, error)
     if not failed:
         return
-    kinds = {kind for kind, _ in failed.values()}
+    kinds = {f.kind for f in failed}
     cls = _ERRORS.get(kinds.pop(), CheckpointError) if len(kinds) == 1 else CheckpointError
-    ranks = ", ".join(str(rank) for rank in failed)
-    details = "; ".join(f"rank {rank}: {kind}: {text}" for rank, (kind, text) in failed.items())
+    ranks = ", ".join(str(f.rank) for f in failed)
+    details = "; ".join(f"rank {f.rank}: {f.kind}: {f.message}" for f in failed)
     raise cls(f"{what} failed on rank{'s' if len(failed) > 1 else ''} {ranks}: {details}") from (
         error
     )
@@ -467,7 +461,7 @@ def _write_text(path: Path, text: str, *, exclusive: bool) -> None:
         if not exclusive:
             target.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _remove(path: Path, folder: Path) -> None:
@@ -476,14 +470,6 @@ def _remove(path: Path, folder: Path) -> None:
     trash = folder / f".trash-{path.name}-{secrets.token_hex(4)}"
     os.rename(path, trash)
     shutil.rmtree(trash)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -34,9 +34,8 @@ from typing import Any, Literal
 import attrs
 import structlog
 
-from ups.core import LaunchRequest, UsageError
+from ups.core import LaunchRequest, UsageError, above
 from ups.core.config import load_config
-from ups.core.structure import above
 
 from . import _procs
 from ._runner import EXIT_FILE, LOG_FILE

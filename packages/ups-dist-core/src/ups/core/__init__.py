@@ -1,6 +1,6 @@
 """ups-dist-core: the engine of ups — run context, config, training loop, plugin contract, CLI."""
 
-from .collectives import RankFailedError, all_mean, decide
+from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
 from .config import Config, load_config
 from .context import RunContext, distributed_session
 from .engine import TrainResult
@@ -26,6 +26,7 @@ __all__ = [
     "CommHookPlugin",
     "Config",
     "ConfigError",
+    "Failure",
     "LaunchRequest",
     "Launcher",
     "LauncherPlugin",
@@ -41,6 +42,7 @@ __all__ = [
     "at_least",
     "decide",
     "distributed_session",
+    "gather_failures",
     "hookimpl",
     "load_config",
     "load_plugins",

@@ -11,6 +11,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -42,6 +43,30 @@ def decide(ctx: RunContext, decision: Callable[[], T]) -> T:
     if status == "error":
         raise RankFailedError(f"rank 0 failed: {value}")
     return typing.cast(T, value)
+
+
+@attrs.frozen
+class Failure:
+    """How one rank failed a step that every rank took."""
+
+    rank: int
+    kind: str
+    """The exception's class name."""
+    message: str
+
+
+def gather_failures(ctx: RunContext, error: BaseException | None) -> list[Failure]:
+    """Tell every rank which ranks failed a step: each passes its exception, or ``None``.
+
+    Returns the same list on every rank (empty when none failed), so every rank can raise, or
+    go on, together. A collective: every rank calls it, failed or not.
+    """
+    mine = None if error is None else (type(error).__name__, str(error))
+    gathered: list[tuple[str, str] | None] = [mine]
+    if ctx.distributed:
+        gathered = [None] * ctx.world_size
+        dist.all_gather_object(gathered, mine)
+    return [Failure(rank, *failure) for rank, failure in enumerate(gathered) if failure is not None]
 
 
 def all_mean(ctx: RunContext, values: torch.Tensor) -> torch.Tensor:

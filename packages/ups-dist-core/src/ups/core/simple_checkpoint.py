@@ -19,6 +19,7 @@ import torch
 
 from .collectives import decide
 from .context import RunContext
+from .files import fsync_dir
 from .structure import at_least
 
 
@@ -63,7 +64,7 @@ class SimpleCheckpointer:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         for old in self._committed()[: -self.options.keep_last]:
             old.unlink()
         return str(path)
@@ -74,11 +75,3 @@ class SimpleCheckpointer:
 
     def _committed(self) -> list[Path]:
         return sorted(self.folder.glob("step-*.pt"))
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

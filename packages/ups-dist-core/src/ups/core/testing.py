@@ -13,11 +13,77 @@ import queue as queue_module
 import socket
 import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
+
+import yaml
 
 from .context import distributed_session
 
 T = TypeVar("T")
+
+TINY_MODULE = '''"""A tiny regression problem for tests: predict sum(x) from 4 inputs."""
+import os
+import pathlib
+import signal
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def build_model(width=8, pid_dir=None, ignore_sigterm=False):
+    if pid_dir:  # lets a test find every rank's process
+        pathlib.Path(pid_dir, str(os.getpid())).touch()
+    if ignore_sigterm:  # a rank that only SIGKILL stops
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+def build_dataset(n=64):
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(1))
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+def not_a_model():
+    return 42
+'''
+
+
+def install_plugin(site: Path, name: str, module: str, source: str, version: str = "0.1") -> None:
+    """Install, into the folder ``site``, what pip would leave for a plugin distribution
+    ``name``: the module ``module`` with ``source``, and a dist-info folder whose
+    ``entry_points.txt`` lists it under the ``ups`` group. Put ``site`` on ``sys.path`` (or
+    ``PYTHONPATH``) and :func:`~ups.core.load_plugins` finds it."""
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[ups]\n{name} = {module}\n")
+    (info / "RECORD").write_text("")
+
+
+def tiny_project(folder: Path, **sections: Mapping[str, Any]) -> Path:
+    """Write ``tiny.py`` (:data:`TINY_MODULE`) and a config ``run.yaml`` training it into
+    ``folder``; return the config's path.
+
+    The config trains one epoch of 64 samples in batches of 8, reporting every 2 steps, into
+    ``folder/runs/tiny``. Each keyword updates that section key by key:
+    ``tiny_project(tmp_path, training={"epochs": 3}, sampler={"name": "tensor"})``.
+    """
+    config: dict[str, dict[str, Any]] = {
+        "run": {"name": "tiny", "output_dir": str(folder / "runs"), "log_every": 2},
+        "model": {"factory": "tiny.py:build_model"},
+        "data": {"factory": "tiny.py:build_dataset", "options": {"n": 64}},
+        "training": {"epochs": 1, "batch_size": 8, "lr": 0.05},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    (folder / "tiny.py").write_text(TINY_MODULE)
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def free_port() -> int:
