@@ -131,3 +131,11 @@ def summary(session: nox.Session) -> None:
     print(f"total: {passed} passed, {failed} failed, {totals['skipped']} skipped")
     if failed or not reports:
         session.error("some tests failed" if failed else "no test reports found")
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmark the engine against a hand-written DDP loop (2 local CPU ranks, gloo);
+    see docs/benchmarks.md. Not a default session: ``nox -s bench``."""
+    install(session, "core")
+    session.run("python", "benchmarks/bench_engine.py", *session.posargs)
