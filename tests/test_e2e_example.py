@@ -36,7 +36,10 @@ def test_the_example_trains_on_two_ranks_with_one_log(tmp_path: Path) -> None:
     assert {e.get("rank") for e in events if e["level"] == "info"} == {0}
     start = next(e for e in events if e["event"] == "training")
     assert (start["world_size"], start["backend"]) == (2, "gloo")
-    losses = [e["loss"] for e in events if e["event"] == "step"]
+    steps = [e for e in events if e["event"] == "step"]
+    for task in ("advection", "diffusion", "burgers"):
+        assert all(e[f"loss/{task}"] > 0 for e in steps)  # per-task losses, aggregated
+    losses = [e["loss"] for e in steps]
     assert len(losses) == 12  # 5 epochs x 24 steps, reported every 10
     assert losses[-1] < losses[0] / 4
     done = [e for e in events if e["event"] == "done"]

@@ -36,8 +36,8 @@ def test_validate_accepts_a_good_config(project: Path) -> None:
     [
         (
             "training.epoch=2",
-            "training.epoch: unknown key; allowed: batch_size, epochs, lr, "
-            "max_steps, optimizer, weight_decay, loss; did you mean 'epochs'?",
+            "training.epoch: unknown key; allowed: accumulation_steps, batch_size, compile, "
+            "epochs, grad_clip_norm",
         ),
         ("sampler.name=torc", "sampler.name: unknown sampler 'torc'; available: "),
         ("model.factory=tiny.py:nope", "model.factory: "),
@@ -55,14 +55,9 @@ def test_bad_config_is_one_line_and_exit_2(project: Path, override: str, message
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("ups: error: ")
+    assert message in lines[0]
     if message.startswith("training.epoch:"):
-        # allowed keys are listed sorted
-        assert (
-            "allowed: batch_size, epochs, loss, lr, max_steps, optimizer, weight_decay" in lines[0]
-        )
-        assert "did you mean 'epochs'?" in lines[0]
-    else:
-        assert message in lines[0]
+        assert lines[0].endswith("did you mean 'epochs'?")
     assert "Traceback" not in result.stderr
 
 

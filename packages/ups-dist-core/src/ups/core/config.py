@@ -61,11 +61,28 @@ class TrainingConfig:
 
     epochs: int = attrs.field(default=1, validator=at_least(1))
     batch_size: int = attrs.field(default=32, validator=at_least(1))
-    """Samples per rank per step."""
+    """Samples per rank per micro-batch."""
+    accumulation_steps: int = attrs.field(default=1, validator=at_least(1))
+    """Micro-batches per optimizer step; gradients are synchronised on the last one only."""
     lr: float = attrs.field(default=1e-3, validator=above(0))
-    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    optimizer: str = "adamw"
+    """A ``torch.optim`` class by name (any case: ``adamw``, ``SGD``) or ``package.module:Class``;
+    ``fused`` is turned on where the optimizer has it and the model is on CUDA."""
+    optimizer_options: dict[str, Any] = attrs.field(factory=dict)
+    """Further keyword arguments of the optimizer (``betas``, ``momentum``, ...)."""
     weight_decay: float = attrs.field(default=0.0, validator=at_least(0))
+    scheduler: str | None = None
+    """A ``torch.optim.lr_scheduler`` class by name (``CosineAnnealingLR``) or import path;
+    stepped once per optimizer step."""
+    scheduler_options: dict[str, Any] = attrs.field(factory=dict)
     loss: Literal["mse", "l1", "cross_entropy"] = "mse"
+    grad_clip_norm: float | None = attrs.field(default=None, validator=above(0))
+    """Clip the global gradient norm (over all parameters, the same on every rank) to this."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """``bf16``: autocast to bfloat16 (CPU and CUDA); ``fp16``: autocast to float16 with a
+    gradient scaler (CUDA only)."""
+    compile: bool = False
+    """``torch.compile`` the model before wrapping it in DDP."""
     max_steps: int | None = attrs.field(default=None, validator=at_least(1))
     """Stop after this many optimizer steps, even mid-epoch."""
 
@@ -88,6 +105,8 @@ class DistributedConfig:
     gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm (statistics over all ranks)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -218,6 +219,9 @@ def distributed_session(
         # Leave together: a rank that tears down while another still talks to it aborts both.
         dist.barrier()
     finally:
+        # Free what still holds the group (a DDP reducer in a reference cycle) while Python is
+        # alive: freed during interpreter shutdown, gloo's threads abort the process.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -1,9 +1,17 @@
-"""The training loop: build what the config names, wrap it in DDP, train, report, checkpoint."""
+"""The training loop: build what the config names, wrap it in DDP, train, report, checkpoint.
+
+Each optimizer step takes ``training.accumulation_steps`` micro-batches; gradients are
+synchronised across ranks on the last one only (``no_sync`` on the others), unscaled once (fp16),
+clipped once to a global norm that is the same number on every rank, then applied.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import math
+import typing
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -13,26 +21,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from .collectives import all_mean
 from .config import Config
 from .context import RunContext
 from .errors import ConfigError
 from .imports import load_object
+from .metrics import LossWindow
+from .optim import build_optimizer, build_scheduler
 from .plugins import Registry
 from .records import Checkpointer
 
 log = structlog.get_logger()
 
-LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "mse": nn.functional.mse_loss,
-    "l1": nn.functional.l1_loss,
-    "cross_entropy": nn.functional.cross_entropy,
+PER_SAMPLE_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "mse": lambda out, y: nn.functional.mse_loss(out, y, reduction="none"),
+    "l1": lambda out, y: nn.functional.l1_loss(out, y, reduction="none"),
+    "cross_entropy": lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
 }
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "adamw": torch.optim.AdamW,
-    "adam": torch.optim.Adam,
-    "sgd": torch.optim.SGD,
-}
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @attrs.frozen(kw_only=True)
@@ -47,6 +52,8 @@ class TrainResult:
     """The training loss at each report, averaged over the interval and over all ranks."""
     checkpoint: str | None
     """Where the final checkpoint went."""
+    metrics: tuple[dict[str, float], ...] = ()
+    """Every report's metrics (``loss``, ``loss/<task>``, ``grad_norm``, ``lr``, ...)."""
 
 
 def build_model(config: Config) -> nn.Module:
@@ -94,7 +101,7 @@ def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     """Train the configured model on this rank; every rank of the job calls this together."""
     hook = registry.manager.hook
     try:
-        result = _train(config, ctx, registry)
+        result = _Run(config, ctx, registry).train()
     except BaseException as error:
         hook.ups_error(ctx=ctx, error=error)
         raise
@@ -102,87 +109,198 @@ def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     return result
 
 
-def _train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
-    hook = registry.manager.hook
-    torch.manual_seed(config.run.seed)
-    model = build_model(config).to(ctx.device)
-    dataset = build_dataset(config)
-    sampler_plugin, sampler_options = registry.select(
-        "sampler", config.sampler.name, config.sampler.options, "sampler"
-    )
-    sampler = sampler_plugin.factory(
-        dataset, ctx=ctx, seed=config.run.seed, options=sampler_options
-    )
-    loader = DataLoader(dataset, batch_size=config.training.batch_size, sampler=sampler)
-    ddp = wrap(model, ctx, config)
-    if isinstance(ddp, DistributedDataParallel):
-        comm_plugin, comm_options = registry.select(
-            "comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook"
+def micro_batch_groups(batches: int, accumulation: int) -> list[int]:
+    """How many micro-batches each optimizer step of an epoch of ``batches`` takes: groups of
+    ``accumulation``, the last one shorter when it does not divide."""
+    full, rest = divmod(batches, accumulation)
+    return [accumulation] * full + ([rest] if rest else [])
+
+
+class _Run:
+    """One rank's training run: what it built from the config, and the loop over it."""
+
+    def __init__(self, config: Config, ctx: RunContext, registry: Registry) -> None:
+        self.config, self.ctx, self.hook = config, ctx, registry.manager.hook
+        t = config.training
+        torch.manual_seed(config.run.seed)
+        self.model = build_model(config).to(ctx.device)
+        if ctx.distributed and config.distributed.sync_batchnorm:
+            convert = nn.SyncBatchNorm.convert_sync_batchnorm
+            self.model = convert(self.model)  # type: ignore[no-untyped-call]
+        dataset = build_dataset(config)
+        sampler_plugin, sampler_options = registry.select(
+            "sampler", config.sampler.name, config.sampler.options, "sampler"
         )
-        comm_plugin.factory(ddp, ctx=ctx, options=comm_options)
-    ckpt_plugin, ckpt_options = registry.select(
-        "checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint"
-    )
-    checkpointer: Checkpointer = ckpt_plugin.factory(
-        ctx=ctx, directory=config.run_dir, options=ckpt_options
-    )
-    t = config.training
-    optimizer = OPTIMIZERS[t.optimizer](ddp.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    loss_fn = LOSSES[t.loss]
+        self.sampler = sampler_plugin.factory(
+            dataset, ctx=ctx, seed=config.run.seed, options=sampler_options
+        )
+        self.loader = DataLoader(dataset, batch_size=t.batch_size, sampler=self.sampler)
+        self.dataset_size = len(dataset)
+        module = torch.compile(self.model) if t.compile else self.model
+        self.ddp = wrap(module, ctx, config)  # type: ignore[arg-type]
+        if isinstance(self.ddp, DistributedDataParallel):
+            comm_plugin, comm_options = registry.select(
+                "comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook"
+            )
+            comm_plugin.factory(self.ddp, ctx=ctx, options=comm_options)
+        ckpt_plugin, ckpt_options = registry.select(
+            "checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint"
+        )
+        self.checkpointer: Checkpointer = ckpt_plugin.factory(
+            ctx=ctx, directory=config.run_dir, options=ckpt_options
+        )
+        self.optimizer = build_optimizer(
+            t.optimizer,
+            self.ddp.parameters(),
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            options=t.optimizer_options,
+            device=ctx.device,
+        )
+        self.scheduler = build_scheduler(t.scheduler, self.optimizer, t.scheduler_options)
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=t.precision == "fp16")
+        self.loss_fn = PER_SAMPLE_LOSSES[t.loss]
+        self.window = LossWindow(config.data.tasks, ctx.device)
+        self.step = self.epoch = 0
 
-    hook.ups_run_start(ctx=ctx, config=config)
-    log.info(
-        "training",
-        world_size=ctx.world_size,
-        backend=ctx.backend,
-        device=str(ctx.device),
-        samples=len(dataset),
-        steps_per_epoch=len(loader),
-        epochs=t.epochs,
-    )
+    def train(self) -> TrainResult:
+        t, ctx = self.config.training, self.ctx
+        self.hook.ups_run_start(ctx=ctx, config=self.config)
+        log.info(
+            "training",
+            world_size=ctx.world_size,
+            backend=ctx.backend,
+            device=str(ctx.device),
+            samples=self.dataset_size,
+            steps_per_epoch=math.ceil(len(self.loader) / t.accumulation_steps),
+            epochs=t.epochs,
+            precision=t.precision,
+            accumulation_steps=t.accumulation_steps,
+        )
+        reports: list[dict[str, float]] = []
+        location, saved_at, grad_norm = None, -1, float("nan")
+        self.ddp.train()
+        while self._more_steps() and self.epoch < t.epochs:
+            if hasattr(self.sampler, "set_epoch"):
+                self.sampler.set_epoch(self.epoch)
+            self.epoch += 1
+            batches = iter(self.loader)
+            for group in micro_batch_groups(len(self.loader), t.accumulation_steps):
+                grad_norm = self._optimizer_step(batches, group)
+                self.step += 1
+                if self.step % self.config.run.log_every == 0:
+                    reports.append(self._report(grad_norm))
+                every = self.config.checkpoint.every_steps
+                if every and self.step % every == 0:
+                    location, saved_at = self._checkpoint(), self.step
+                if not self._more_steps():
+                    break
+        if self.step % self.config.run.log_every:
+            reports.append(self._report(grad_norm))
+        if saved_at != self.step:
+            location = self._checkpoint()
+        losses = tuple(r["loss"] for r in reports)
+        log.info(
+            "done",
+            steps=self.step,
+            epochs=self.epoch,
+            loss=round(losses[-1], 6) if losses else None,
+        )
+        return TrainResult(
+            steps=self.step,
+            epochs=self.epoch,
+            losses=losses,
+            checkpoint=location,
+            metrics=tuple(reports),
+        )
 
-    def checkpoint(step: int, epoch: int) -> str:
+    def _more_steps(self) -> bool:
+        max_steps = self.config.training.max_steps
+        return max_steps is None or self.step < max_steps
+
+    def _optimizer_step(self, batches: Iterator[Sequence[torch.Tensor]], group: int) -> float:
+        """Forward and backward ``group`` micro-batches, then one optimizer step; return the
+        gradient norm before clipping (NaN when not clipping)."""
+        t = self.config.training
+        for i in range(group):
+            batch = next(batches)
+            inputs, targets = batch[0].to(self.ctx.device), batch[1].to(self.ctx.device)
+            task_ids = batch[2] if len(batch) > 2 else None
+            local = i < group - 1 and isinstance(self.ddp, DistributedDataParallel)
+            with self._autocast():
+                # Micro-batches before the last skip DDP: their gradients stay on this rank.
+                forward = typing.cast(nn.Module, self.ddp.module) if local else self.ddp
+                out = forward(inputs)
+                per_sample = self.loss_fn(out, targets)
+            per_sample = per_sample.float().reshape(len(inputs), -1).mean(dim=1)
+            loss = self.scaler.scale(per_sample.mean() / group)
+            if local:
+                self._accumulate_locally(loss)
+            else:
+                loss.backward()  # type: ignore[no-untyped-call]
+            self.window.add(per_sample, task_ids)
+        grad_norm = float("nan")
+        if t.grad_clip_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            # Gradients are already averaged over ranks: the norm is the same on every rank.
+            grad_norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip_norm))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return grad_norm
+
+    def _accumulate_locally(self, loss: torch.Tensor) -> None:
+        """Add ``loss``'s gradients to ``.grad`` without DDP's reducer seeing them; the last
+        micro-batch's backward then all-reduces the sum, as ``no_sync`` would.
+
+        Not ``ddp.no_sync()``: with ``static_graph=True`` it trips an internal assert in DDP's
+        reducer (pytorch/pytorch#143580, huggingface/accelerate#3679). ``autograd.grad`` never
+        runs the gradient accumulators, where the reducer's hooks sit.
+        """
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        for param, grad in zip(params, grads, strict=True):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad.detach().clone()
+            else:
+                param.grad.add_(grad)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        precision = self.config.training.precision
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=AUTOCAST_DTYPES[precision])
+
+    def _report(self, grad_norm: float) -> dict[str, float]:
+        metrics = self.window.report(self.ctx)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        if not math.isnan(grad_norm):
+            metrics["grad_norm"] = grad_norm
+        log.info(
+            "step", step=self.step, epoch=self.epoch, **{k: _round(v) for k, v in metrics.items()}
+        )
+        self.hook.ups_step_end(ctx=self.ctx, step=self.step, metrics=metrics)
+        return metrics
+
+    def _checkpoint(self) -> str:
         state = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "epoch": epoch,
-            "config_digest": config.digest(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "config_digest": self.config.digest(),
         }
-        location = checkpointer.save(state, step=step)
-        hook.ups_checkpoint_saved(ctx=ctx, step=step, location=location)
-        log.info("checkpoint saved", step=step, location=location)
+        location = self.checkpointer.save(state, step=self.step)
+        self.hook.ups_checkpoint_saved(ctx=self.ctx, step=self.step, location=location)
+        log.info("checkpoint saved", step=self.step, location=location)
         return location
 
-    step, epoch, losses = 0, 0, []
-    window = torch.zeros(2, dtype=torch.float64)  # loss sum, batches since the last report
-    location, saved_at = None, -1
-    ddp.train()
-    while epoch < t.epochs and (t.max_steps is None or step < t.max_steps):
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        epoch += 1
-        for batch in loader:
-            inputs, targets = batch[0].to(ctx.device), batch[1].to(ctx.device)
-            loss = loss_fn(ddp(inputs), targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
-            step += 1
-            window += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
-            if step % config.run.log_every == 0:
-                mean = float(all_mean(ctx, window[0:1] / window[1])[0])
-                window.zero_()
-                losses.append(mean)
-                log.info("step", step=step, epoch=epoch, loss=round(mean, 6))
-                hook.ups_step_end(ctx=ctx, step=step, metrics={"loss": mean})
-            if config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0:
-                location, saved_at = checkpoint(step, epoch), step
-            if t.max_steps is not None and step >= t.max_steps:
-                break
-    if window[1] > 0:
-        losses.append(float(all_mean(ctx, window[0:1] / window[1])[0]))
-    if saved_at != step:
-        location = checkpoint(step, epoch)
-    log.info("done", steps=step, epochs=epoch, loss=round(losses[-1], 6) if losses else None)
-    return TrainResult(steps=step, epochs=epoch, losses=tuple(losses), checkpoint=location)
+
+def _round(value: float) -> float:
+    return round(value, 6) if isinstance(value, float) else value

@@ -80,6 +80,7 @@ def tiny_project(folder: Path, **sections: Mapping[str, Any]) -> Path:
     }
     for name, values in sections.items():
         config[name] = {**config.get(name, {}), **values}
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "tiny.py").write_text(TINY_MODULE)
     path = folder / "run.yaml"
     path.write_text(yaml.safe_dump(config))

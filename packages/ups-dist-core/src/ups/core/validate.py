@@ -10,6 +10,7 @@ import torch
 from .config import Config
 from .errors import ConfigError
 from .imports import load_object
+from .optim import OPTIMIZERS, SCHEDULERS, resolve
 from .plugins import Registry
 
 MIN_GLOBAL_BATCH = 16
@@ -32,6 +33,17 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     registry.select("checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint")
     if config.launch.name is not None:
         registry.select("launcher", config.launch.name, config.launch.options, "launch")
+
+    t = config.training
+    resolve(t.optimizer, OPTIMIZERS, "training.optimizer")
+    if t.scheduler is not None:
+        resolve(t.scheduler, SCHEDULERS, "training.scheduler")
+    if t.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError(
+            "training.precision",
+            "'fp16' needs CUDA (its gradient scaler runs there) and this machine has none; "
+            "allowed here: fp32, bf16",
+        )
 
     nproc = config.distributed.nproc if nproc is None else nproc
     if config.distributed.backend == "nccl" and torch.cuda.device_count() < nproc:

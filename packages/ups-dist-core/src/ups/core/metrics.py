@@ -1,0 +1,62 @@
+"""Training metrics summed locally between reports and aggregated over all ranks at each one.
+
+Every report is one all-reduce of a small tensor, whatever the number of tasks: per task, the
+sum of per-sample losses and the sample count. Ranks always agree on the tasks (``data.tasks``),
+so their tensors have one shape and the collective cannot mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .context import RunContext
+from .errors import ConfigError
+
+
+class LossWindow:
+    """Per-task loss sums and counts since the last report, on this rank."""
+
+    def __init__(self, tasks: Sequence[str], device: torch.device) -> None:
+        self.tasks = tuple(tasks) or ("all",)
+        self._sums = torch.zeros(2, len(self.tasks), dtype=torch.float64, device=device)
+        self._checked = False
+
+    def add(self, per_sample: torch.Tensor, task_ids: torch.Tensor | None) -> None:
+        """Add a batch's per-sample losses (detached), each to its task; without declared
+        tasks (``data.tasks``) task ids are ignored and every sample counts as one task.
+
+        :raises ConfigError: (on the first batch) when a task id has no name in ``data.tasks``.
+        """
+        losses = per_sample.detach().to(torch.float64)
+        if task_ids is None or len(self.tasks) == 1:
+            ids = torch.zeros_like(losses, dtype=torch.long)
+        else:
+            ids = task_ids.to(losses.device, torch.long)
+            if not self._checked:  # one host sync, on the first batch only
+                self._checked = True
+                if int(ids.max()) >= len(self.tasks) or int(ids.min()) < 0:
+                    raise ConfigError(
+                        "data.tasks",
+                        f"names {len(self.tasks)} tasks but a batch carries task id "
+                        f"{int(ids.max())}; name one task per id, in id order",
+                    )
+        self._sums[0].index_add_(0, ids, losses)
+        self._sums[1].index_add_(0, ids, torch.ones_like(losses))
+
+    def report(self, ctx: RunContext) -> dict[str, float]:
+        """The mean loss over all ranks' samples since the last report, overall and per task
+        (``loss/<task>``) when there are tasks; then start a new window. A collective."""
+        sums = self._sums.clone()
+        if ctx.distributed:
+            dist.all_reduce(sums)
+        self._sums.zero_()
+        total, count = sums.sum(dim=1).tolist()
+        metrics = {"loss": total / count if count else float("nan")}
+        if len(self.tasks) > 1:
+            for task, (s, n) in zip(self.tasks, sums.T.tolist(), strict=True):
+                metrics[f"loss/{task}"] = s / n if n else float("nan")
+        metrics["samples"] = count
+        return metrics
