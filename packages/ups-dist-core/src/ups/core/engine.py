@@ -25,7 +25,7 @@ from .config import Config
 from .context import RunContext
 from .errors import ConfigError
 from .imports import load_object
-from .metrics import LossWindow
+from .metrics import LossWindow, PendingReport
 from .optim import build_optimizer, build_scheduler
 from .plugins import Registry
 from .records import Checkpointer
@@ -162,6 +162,8 @@ class _Run:
         self.loss_fn = PER_SAMPLE_LOSSES[t.loss]
         self.window = LossWindow(config.data.tasks, ctx.device)
         self.step = self.epoch = 0
+        self.reports: list[dict[str, float]] = []
+        self._pending: tuple[int, int, dict[str, float], PendingReport] | None = None
 
     def train(self) -> TrainResult:
         t, ctx = self.config.training, self.ctx
@@ -177,7 +179,6 @@ class _Run:
             precision=t.precision,
             accumulation_steps=t.accumulation_steps,
         )
-        reports: list[dict[str, float]] = []
         location, saved_at, grad_norm = None, -1, float("nan")
         self.ddp.train()
         while self._more_steps() and self.epoch < t.epochs:
@@ -188,18 +189,20 @@ class _Run:
             for group in micro_batch_groups(len(self.loader), t.accumulation_steps):
                 grad_norm = self._optimizer_step(batches, group)
                 self.step += 1
+                self._finish_report()
                 if self.step % self.config.run.log_every == 0:
-                    reports.append(self._report(grad_norm))
+                    self._start_report(grad_norm)
                 every = self.config.checkpoint.every_steps
                 if every and self.step % every == 0:
                     location, saved_at = self._checkpoint(), self.step
                 if not self._more_steps():
                     break
         if self.step % self.config.run.log_every:
-            reports.append(self._report(grad_norm))
+            self._start_report(grad_norm)
+        self._finish_report()
         if saved_at != self.step:
             location = self._checkpoint()
-        losses = tuple(r["loss"] for r in reports)
+        losses = tuple(r["loss"] for r in self.reports)
         log.info(
             "done",
             steps=self.step,
@@ -211,7 +214,7 @@ class _Run:
             epochs=self.epoch,
             losses=losses,
             checkpoint=location,
-            metrics=tuple(reports),
+            metrics=tuple(self.reports),
         )
 
     def _more_steps(self) -> bool:
@@ -275,16 +278,23 @@ class _Run:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=AUTOCAST_DTYPES[precision])
 
-    def _report(self, grad_norm: float) -> dict[str, float]:
-        metrics = self.window.report(self.ctx)
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+    def _start_report(self, grad_norm: float) -> None:
+        self._finish_report()
+        extra = {"lr": self.optimizer.param_groups[0]["lr"]}
         if not math.isnan(grad_norm):
-            metrics["grad_norm"] = grad_norm
-        log.info(
-            "step", step=self.step, epoch=self.epoch, **{k: _round(v) for k, v in metrics.items()}
-        )
-        self.hook.ups_step_end(ctx=self.ctx, step=self.step, metrics=metrics)
-        return metrics
+            extra["grad_norm"] = grad_norm
+        self._pending = (self.step, self.epoch, extra, self.window.report(self.ctx))
+
+    def _finish_report(self) -> None:
+        """Log and hand on the report started at an earlier step, if any."""
+        if self._pending is None:
+            return
+        step, epoch, extra, pending = self._pending
+        self._pending = None
+        metrics = pending.result() | extra
+        log.info("step", step=step, epoch=epoch, **{k: _round(v) for k, v in metrics.items()})
+        self.hook.ups_step_end(ctx=self.ctx, step=step, metrics=metrics)
+        self.reports.append(metrics)
 
     def _checkpoint(self) -> str:
         state = {

@@ -1,13 +1,15 @@
 """Training metrics summed locally between reports and aggregated over all ranks at each one.
 
 Every report is one all-reduce of a small tensor, whatever the number of tasks: per task, the
-sum of per-sample losses and the sample count. Ranks always agree on the tasks (``data.tasks``),
+sum of per-sample losses and the sample count. It is asynchronous: the engine reads the result
+one step later, so no rank waits on it (nor on rank 0's logging) before its next step. Ranks always agree on the tasks (``data.tasks``),
 so their tensors have one shape and the collective cannot mismatch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,17 +48,31 @@ class LossWindow:
         self._sums[0].index_add_(0, ids, losses)
         self._sums[1].index_add_(0, ids, torch.ones_like(losses))
 
-    def report(self, ctx: RunContext) -> dict[str, float]:
-        """The mean loss over all ranks' samples since the last report, overall and per task
-        (``loss/<task>``) when there are tasks; then start a new window. A collective."""
+    def report(self, ctx: RunContext) -> PendingReport:
+        """Start aggregating the window over all ranks (an all-reduce, not waited for) and
+        start a new window. A collective: every rank calls it at the same step."""
         sums = self._sums.clone()
-        if ctx.distributed:
-            dist.all_reduce(sums)
         self._sums.zero_()
-        total, count = sums.sum(dim=1).tolist()
+        work = dist.all_reduce(sums, async_op=True) if ctx.distributed else None
+        return PendingReport(self.tasks, sums, work)
+
+
+class PendingReport:
+    """A window's metrics on their way: the all-reduce overlaps the next step's compute."""
+
+    def __init__(self, tasks: tuple[str, ...], sums: torch.Tensor, work: Any) -> None:
+        self._tasks, self._sums, self._work = tasks, sums, work
+
+    def result(self) -> dict[str, float]:
+        """The mean loss over all ranks' samples of the window, overall and per task
+        (``loss/<task>``) when there are tasks, and the number of ``samples``."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        total, count = self._sums.sum(dim=1).tolist()
         metrics = {"loss": total / count if count else float("nan")}
-        if len(self.tasks) > 1:
-            for task, (s, n) in zip(self.tasks, sums.T.tolist(), strict=True):
+        if len(self._tasks) > 1:
+            for task, (s, n) in zip(self._tasks, self._sums.T.tolist(), strict=True):
                 metrics[f"loss/{task}"] = s / n if n else float("nan")
         metrics["samples"] = count
         return metrics
