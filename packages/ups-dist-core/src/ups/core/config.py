@@ -20,6 +20,7 @@ import yaml
 
 from .errors import ConfigError, UsageError
 from .imports import resolve_spec
+from .schedule import Rule
 from .structure import above, at_least, structure
 
 
@@ -53,6 +54,17 @@ class DataConfig(FactoryConfig):
 
     tasks: tuple[str, ...] = ()
     """Names of the tasks of multi-task data, in the order of their task ids."""
+
+
+@attrs.frozen(kw_only=True)
+class EvalConfig(FactoryConfig):
+    """The evaluation data: ``factory(**options)`` returns a map-style dataset like the training
+    data's. Evaluation is exact: every sample is counted once over all ranks, none padded."""
+
+    every_steps: int | None = attrs.field(default=None, validator=at_least(1))
+    """Evaluate every this many optimizer steps (and always at the end); ``null``: at the end."""
+    batch_size: int | None = attrs.field(default=None, validator=at_least(1))
+    """Samples per rank per evaluation batch; ``null``: ``training.batch_size``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -147,6 +159,8 @@ class Config:
 
     model: FactoryConfig
     data: DataConfig
+    eval: EvalConfig | None = None
+    """Evaluation data and how often to evaluate; ``null``: no evaluation."""
     run: RunConfig = attrs.field(factory=RunConfig)
     training: TrainingConfig = attrs.field(factory=TrainingConfig)
     distributed: DistributedConfig = attrs.field(factory=DistributedConfig)
@@ -154,6 +168,8 @@ class Config:
     comm_hook: CommHookChoice = attrs.field(factory=CommHookChoice)
     checkpoint: CheckpointChoice = attrs.field(factory=CheckpointChoice)
     launch: LaunchChoice = attrs.field(factory=LaunchChoice)
+    schedule: tuple[Rule, ...] = ()
+    """Training operations decided on rank 0 and applied on every rank (:mod:`ups.core.schedule`)."""
 
     @property
     def run_dir(self) -> Path:
@@ -248,8 +264,12 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: Path | None = None) -
 
 
 def _resolve_paths(config: Config, base: Path) -> Config:
+    evaluation = config.eval
+    if evaluation is not None:
+        evaluation = attrs.evolve(evaluation, factory=resolve_spec(evaluation.factory, base))
     return attrs.evolve(
         config,
         model=attrs.evolve(config.model, factory=resolve_spec(config.model.factory, base)),
         data=attrs.evolve(config.data, factory=resolve_spec(config.data.factory, base)),
+        eval=evaluation,
     )

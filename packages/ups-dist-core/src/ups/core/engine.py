@@ -11,7 +11,7 @@ import contextlib
 import inspect
 import math
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -24,19 +24,16 @@ from torch.utils.data import DataLoader
 from .config import Config
 from .context import RunContext
 from .errors import ConfigError
+from .evaluation import evaluate, shard_loader
 from .imports import load_object
-from .metrics import LossWindow, PendingReport
+from .metrics import LossWindow, PendingReport, per_sample_losses
 from .optim import build_optimizer, build_scheduler
 from .plugins import Registry
 from .records import Checkpointer
+from .schedule import Schedule, apply_lr_multiplier
 
 log = structlog.get_logger()
 
-PER_SAMPLE_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "mse": lambda out, y: nn.functional.mse_loss(out, y, reduction="none"),
-    "l1": lambda out, y: nn.functional.l1_loss(out, y, reduction="none"),
-    "cross_entropy": lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
-}
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -54,6 +51,8 @@ class TrainResult:
     """Where the final checkpoint went."""
     metrics: tuple[dict[str, float], ...] = ()
     """Every report's metrics (``loss``, ``loss/<task>``, ``grad_norm``, ``lr``, ...)."""
+    eval_metrics: tuple[dict[str, float], ...] = ()
+    """Every evaluation's metrics, over the whole evaluation set (``loss``, ``loss/<task>``)."""
 
 
 def build_model(config: Config) -> nn.Module:
@@ -109,13 +108,6 @@ def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     return result
 
 
-def micro_batch_groups(batches: int, accumulation: int) -> list[int]:
-    """How many micro-batches each optimizer step of an epoch of ``batches`` takes: groups of
-    ``accumulation``, the last one shorter when it does not divide."""
-    full, rest = divmod(batches, accumulation)
-    return [accumulation] * full + ([rest] if rest else [])
-
-
 class _Run:
     """One rank's training run: what it built from the config, and the loop over it."""
 
@@ -134,8 +126,15 @@ class _Run:
         self.sampler = sampler_plugin.factory(
             dataset, ctx=ctx, seed=config.run.seed, options=sampler_options
         )
-        self.loader = DataLoader(dataset, batch_size=t.batch_size, sampler=self.sampler)
-        self.dataset_size = len(dataset)
+        self.dataset = dataset
+        self.schedule = Schedule(
+            config.schedule, batch_size=t.batch_size, accumulation_steps=t.accumulation_steps
+        )
+        self.loader = self._loader()
+        self.eval_loader = None
+        if config.eval is not None:
+            eval_set = load_object(config.eval.factory, "eval.factory")(**config.eval.options)
+            self.eval_loader = shard_loader(eval_set, ctx, config.eval.batch_size or t.batch_size)
         module = torch.compile(self.model) if t.compile else self.model
         self.ddp = wrap(module, ctx, config)  # type: ignore[arg-type]
         if isinstance(self.ddp, DistributedDataParallel):
@@ -158,11 +157,13 @@ class _Run:
             device=ctx.device,
         )
         self.scheduler = build_scheduler(t.scheduler, self.optimizer, t.scheduler_options)
+        apply_lr_multiplier(self.optimizer, self.schedule.lr_multiplier, self.scheduler)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=t.precision == "fp16")
-        self.loss_fn = PER_SAMPLE_LOSSES[t.loss]
         self.window = LossWindow(config.data.tasks, ctx.device)
         self.step = self.epoch = 0
+        self.evaluated_at = -1
         self.reports: list[dict[str, float]] = []
+        self.eval_reports: list[dict[str, float]] = []
         self._pending: tuple[int, int, dict[str, float], PendingReport] | None = None
 
     def train(self) -> TrainResult:
@@ -173,33 +174,40 @@ class _Run:
             world_size=ctx.world_size,
             backend=ctx.backend,
             device=str(ctx.device),
-            samples=self.dataset_size,
-            steps_per_epoch=math.ceil(len(self.loader) / t.accumulation_steps),
+            samples=len(self.dataset),
             epochs=t.epochs,
             precision=t.precision,
-            accumulation_steps=t.accumulation_steps,
+            batch_size=self.schedule.batch_size,
+            accumulation_steps=self.schedule.accumulation_steps,
         )
         location, saved_at, grad_norm = None, -1, float("nan")
         self.ddp.train()
         while self._more_steps() and self.epoch < t.epochs:
+            if self.loader.batch_size != self.schedule.batch_size:
+                self.loader = self._loader()  # a scheduled batch size, from this epoch on
             if hasattr(self.sampler, "set_epoch"):
                 self.sampler.set_epoch(self.epoch)
             self.epoch += 1
-            batches = iter(self.loader)
-            for group in micro_batch_groups(len(self.loader), t.accumulation_steps):
+            batches, left = iter(self.loader), len(self.loader)
+            while left and self._more_steps():
+                group = min(self.schedule.accumulation_steps, left)
+                left -= group
                 grad_norm = self._optimizer_step(batches, group)
                 self.step += 1
                 self._finish_report()
                 if self.step % self.config.run.log_every == 0:
                     self._start_report(grad_norm)
+                decision = self.schedule.decide(ctx, self.step, self._maybe_evaluate())
                 every = self.config.checkpoint.every_steps
-                if every and self.step % every == 0:
+                if (every and self.step % every == 0) or (decision and decision.save):
                     location, saved_at = self._checkpoint(), self.step
-                if not self._more_steps():
-                    break
+                if decision is not None and decision.lr_multiplier is not None:
+                    apply_lr_multiplier(self.optimizer, decision.lr_multiplier, self.scheduler)
         if self.step % self.config.run.log_every:
             self._start_report(grad_norm)
         self._finish_report()
+        if self.eval_loader is not None and self.evaluated_at != self.step:
+            self._evaluate()
         if saved_at != self.step:
             location = self._checkpoint()
         losses = tuple(r["loss"] for r in self.reports)
@@ -215,11 +223,39 @@ class _Run:
             losses=losses,
             checkpoint=location,
             metrics=tuple(self.reports),
+            eval_metrics=tuple(self.eval_reports),
         )
+
+    def _loader(self) -> DataLoader[Any]:
+        return DataLoader(self.dataset, batch_size=self.schedule.batch_size, sampler=self.sampler)
+
+    def _maybe_evaluate(self) -> float | None:
+        """Evaluate if this step is an evaluation step; return the loss (the same on every
+        rank), or ``None``. Whether to evaluate depends on the step alone: every rank agrees."""
+        every = self.config.eval.every_steps if self.config.eval else None
+        if every and self.step % every == 0:
+            return self._evaluate()["loss"]
+        return None
+
+    def _evaluate(self) -> dict[str, float]:
+        assert self.eval_loader is not None
+        metrics = evaluate(
+            self.model,
+            self.eval_loader,
+            self.ctx,
+            loss=self.config.training.loss,
+            tasks=self.config.data.tasks,
+            autocast=self._autocast,
+        )
+        self.evaluated_at = self.step
+        log.info("eval", step=self.step, **{f"val_{k}": _round(v) for k, v in metrics.items()})
+        self.hook.ups_eval_end(ctx=self.ctx, step=self.step, metrics=metrics)
+        self.eval_reports.append(metrics)
+        return metrics
 
     def _more_steps(self) -> bool:
         max_steps = self.config.training.max_steps
-        return max_steps is None or self.step < max_steps
+        return not self.schedule.stopped and (max_steps is None or self.step < max_steps)
 
     def _optimizer_step(self, batches: Iterator[Sequence[torch.Tensor]], group: int) -> float:
         """Forward and backward ``group`` micro-batches, then one optimizer step; return the
@@ -234,8 +270,7 @@ class _Run:
                 # Micro-batches before the last skip DDP: their gradients stay on this rank.
                 forward = typing.cast(nn.Module, self.ddp.module) if local else self.ddp
                 out = forward(inputs)
-                per_sample = self.loss_fn(out, targets)
-            per_sample = per_sample.float().reshape(len(inputs), -1).mean(dim=1)
+                per_sample = per_sample_losses(t.loss, out, targets)
             loss = self.scaler.scale(per_sample.mean() / group)
             if local:
                 self._accumulate_locally(loss)
@@ -304,6 +339,7 @@ class _Run:
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "epoch": self.epoch,
+            "schedule": self.schedule.state_dict(),
             "config_digest": self.config.digest(),
         }
         location = self.checkpointer.save(state, step=self.step)

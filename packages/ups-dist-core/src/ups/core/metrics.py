@@ -8,14 +8,29 @@ so their tensors have one shape and the collective cannot mismatch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .context import RunContext
 from .errors import ConfigError
+
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "mse": lambda out, y: nn.functional.mse_loss(out, y, reduction="none"),
+    "l1": lambda out, y: nn.functional.l1_loss(out, y, reduction="none"),
+    "cross_entropy": lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
+}
+"""The loss functions ``training.loss`` names, unreduced."""
+
+
+def per_sample_losses(loss: str, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One loss per sample (float32): the loss ``loss`` names, averaged over all but the first
+    dimension. A batch's loss is their mean."""
+    unreduced = LOSSES[loss](outputs, targets).float()
+    return unreduced.reshape(len(outputs), -1).mean(dim=1)
 
 
 class LossWindow:

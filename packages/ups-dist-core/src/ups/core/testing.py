@@ -64,22 +64,23 @@ def install_plugin(site: Path, name: str, module: str, source: str, version: str
     (info / "RECORD").write_text("")
 
 
-def tiny_project(folder: Path, **sections: Mapping[str, Any]) -> Path:
+def tiny_project(folder: Path, **sections: Any) -> Path:
     """Write ``tiny.py`` (:data:`TINY_MODULE`) and a config ``run.yaml`` training it into
     ``folder``; return the config's path.
 
     The config trains one epoch of 64 samples in batches of 8, reporting every 2 steps, into
-    ``folder/runs/tiny``. Each keyword updates that section key by key:
+    ``folder/runs/tiny``. Each keyword updates that section key by key (a list, such as
+    ``schedule``, replaces it):
     ``tiny_project(tmp_path, training={"epochs": 3}, sampler={"name": "tensor"})``.
     """
-    config: dict[str, dict[str, Any]] = {
+    config: dict[str, Any] = {
         "run": {"name": "tiny", "output_dir": str(folder / "runs"), "log_every": 2},
         "model": {"factory": "tiny.py:build_model"},
         "data": {"factory": "tiny.py:build_dataset", "options": {"n": 64}},
         "training": {"epochs": 1, "batch_size": 8, "lr": 0.05},
     }
     for name, values in sections.items():
-        config[name] = {**config.get(name, {}), **values}
+        config[name] = {**config.get(name, {}), **values} if isinstance(values, Mapping) else values
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tiny.py").write_text(TINY_MODULE)
     path = folder / "run.yaml"

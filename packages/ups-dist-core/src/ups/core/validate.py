@@ -12,6 +12,7 @@ from .errors import ConfigError
 from .imports import load_object
 from .optim import OPTIMIZERS, SCHEDULERS, resolve
 from .plugins import Registry
+from .schedule import schedule_warnings
 
 MIN_GLOBAL_BATCH = 16
 """Below this many samples per optimizer step over all ranks, gradients are mostly noise."""
@@ -28,6 +29,8 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     """
     load_object(config.model.factory, "model.factory")
     load_object(config.data.factory, "data.factory")
+    if config.eval is not None:
+        load_object(config.eval.factory, "eval.factory")
     sampler, _ = registry.select("sampler", config.sampler.name, config.sampler.options, "sampler")
     registry.select("comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook")
     registry.select("checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint")
@@ -52,7 +55,15 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
             f"'nccl' needs a CUDA device per process; this machine has {torch.cuda.device_count()} "
             f"for {nproc} processes; allowed here: auto, gloo",
         )
-    warnings = []
+    if config.eval is None or config.eval.every_steps is None:
+        for i, rule in enumerate(config.schedule):
+            if rule.when.val_loss_below is not None:
+                raise ConfigError(
+                    f"schedule[{i}].when.val_loss_below",
+                    "needs an evaluation loss during training, and this run evaluates at the "
+                    "end only, if at all; set eval.every_steps, or use at_latest_step",
+                )
+    warnings = schedule_warnings(config.schedule, max_steps=t.max_steps)
     if nproc > 1 and len(config.data.tasks) > 1 and not sampler.multi_task:
         warnings.append(
             f"sampler.name: {config.sampler.name!r} treats the {len(config.data.tasks)} tasks of "
