@@ -198,11 +198,11 @@ class _Run:
                 if self.step % self.config.run.log_every == 0:
                     self._start_report(grad_norm)
                 decision = self.schedule.decide(ctx, self.step, self._maybe_evaluate())
+                if decision is not None and decision.lr_multiplier is not None:
+                    apply_lr_multiplier(self.optimizer, decision.lr_multiplier, self.scheduler)
                 every = self.config.checkpoint.every_steps
                 if (every and self.step % every == 0) or (decision and decision.save):
                     location, saved_at = self._checkpoint(), self.step
-                if decision is not None and decision.lr_multiplier is not None:
-                    apply_lr_multiplier(self.optimizer, decision.lr_multiplier, self.scheduler)
         if self.step % self.config.run.log_every:
             self._start_report(grad_norm)
         self._finish_report()
