@@ -119,7 +119,7 @@ def test_enabled_false_refuses_to_be_one_of_several_ranks() -> None:
         ),
         distributed_session(False, env=torchrun_env(1, 2, 1)),
     ):
-        pass
+        pytest.fail("ran as a single process although launched as rank 1 of 2")
 
 
 UNREACHABLE = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
@@ -133,7 +133,7 @@ def test_failed_init_is_an_error_when_asked_for() -> None:
         ),
         distributed_session(True, "gloo", timeout_s=1, env=env),
     ):
-        pass
+        pytest.fail("went on without the process group it was asked to join")
 
 
 def test_failed_init_falls_back_to_one_process_with_a_warning_on_auto() -> None:
