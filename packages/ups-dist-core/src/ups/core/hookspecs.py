@@ -83,10 +83,11 @@ def ups_run_start(ctx: RunContext, config: Config) -> None:
 
 @hookspec
 def ups_step_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> None:
-    """An optimizer step ended; called every ``run.log_every`` steps, with fresh metrics.
+    """Metrics of the report made at optimizer step ``step`` (every ``run.log_every`` steps)
+    are ready; called once their all-reduce completed, after the next step.
 
     :param ctx: this rank's run context.
-    :param step: the number of optimizer steps taken so far.
+    :param step: the optimizer step the metrics were taken at.
     :param metrics: metrics averaged over all ranks since the last call (``loss``, ...).
     """
 
