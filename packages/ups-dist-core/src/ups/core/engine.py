@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from .config import Config
+from .config import Config, FactoryConfig
 from .context import RunContext
 from .errors import ConfigError
 from .evaluation import evaluate, shard_loader
@@ -65,12 +65,13 @@ def build_model(config: Config) -> nn.Module:
     return model
 
 
-def build_dataset(config: Config) -> Any:
-    """Call ``data.factory(**data.options)``; check that it returns a sized dataset."""
-    dataset = load_object(config.data.factory, "data.factory")(**config.data.options)
+def build_dataset(section: FactoryConfig, key: str) -> Any:
+    """Call the ``section`` (``data`` or ``eval``) factory with its options; check that it
+    returns a map-style dataset."""
+    dataset = load_object(section.factory, f"{key}.factory")(**section.options)
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise ConfigError(
-            "data.factory", f"returned {type(dataset).__name__}, not a map-style dataset"
+            f"{key}.factory", f"returned {type(dataset).__name__}, not a map-style dataset"
         )
     return dataset
 
@@ -119,7 +120,7 @@ class _Run:
         if ctx.distributed and config.distributed.sync_batchnorm:
             convert = nn.SyncBatchNorm.convert_sync_batchnorm
             self.model = convert(self.model)  # type: ignore[no-untyped-call]
-        dataset = build_dataset(config)
+        dataset = build_dataset(config.data, "data")
         sampler_plugin, sampler_options = registry.select(
             "sampler", config.sampler.name, config.sampler.options, "sampler"
         )
@@ -133,7 +134,7 @@ class _Run:
         self.loader = self._loader()
         self.eval_loader = None
         if config.eval is not None:
-            eval_set = load_object(config.eval.factory, "eval.factory")(**config.eval.options)
+            eval_set = build_dataset(config.eval, "eval")
             self.eval_loader = shard_loader(eval_set, ctx, config.eval.batch_size or t.batch_size)
         module = torch.compile(self.model) if t.compile else self.model
         self.ddp = wrap(module, ctx, config)  # type: ignore[arg-type]
