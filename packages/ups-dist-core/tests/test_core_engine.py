@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import attrs
+import pytest
 import torch
 
 from ups.core import load_config, train
+from ups.core.config import EvalConfig
 
 
 def test_two_processes_train_and_return_rank_0s_result(project: Path) -> None:
@@ -28,3 +32,19 @@ def test_one_process_trains_in_place_and_stops_at_max_steps(project: Path) -> No
     folder = project / "runs" / "tiny" / "checkpoints"
     # every 2 steps, then the final one; the simple backend keeps the last 2
     assert sorted(p.name for p in folder.iterdir()) == ["step-000000004.pt", "step-000000005.pt"]
+
+
+def test_the_run_folder_holds_the_resolved_config_and_every_metric(project: Path) -> None:
+    config = load_config(project / "run.yaml", ["training.lr=0.02"])
+    config = attrs.evolve(
+        config,
+        eval=EvalConfig(factory=config.data.factory, options={"n": 20}, every_steps=4),
+    )
+    result = train(config)
+    folder = project / "runs" / "tiny"
+    assert load_config(folder / "config.yaml") == config  # repeatable as it ran
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [line for line in lines if line["kind"] == "train"]
+    assert [line["step"] for line in train_lines] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert [line["loss"] for line in train_lines] == pytest.approx(list(result.losses))
+    assert [line["step"] for line in lines if line["kind"] == "eval"] == [4, 8, 12, 16]

@@ -30,6 +30,7 @@ from .metrics import LossWindow, PendingReport, per_sample_losses
 from .optim import build_optimizer, build_scheduler
 from .plugins import Registry
 from .records import Checkpointer
+from .rundir import RunFiles
 from .schedule import Schedule, apply_lr_multiplier
 
 log = structlog.get_logger()
@@ -161,6 +162,7 @@ class _Run:
         apply_lr_multiplier(self.optimizer, self.schedule.lr_multiplier, self.scheduler)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=t.precision == "fp16")
         self.window = LossWindow(config.data.tasks, ctx.device)
+        self.files = RunFiles(config, ctx)
         self.step = self.epoch = 0
         self.evaluated_at = -1
         self.reports: list[dict[str, float]] = []
@@ -251,6 +253,7 @@ class _Run:
         self.evaluated_at = self.step
         log.info("eval", step=self.step, **{f"val_{k}": _round(v) for k, v in metrics.items()})
         self.hook.ups_eval_end(ctx=self.ctx, step=self.step, metrics=metrics)
+        self.files.metrics("eval", self.step, metrics)
         self.eval_reports.append(metrics)
         return metrics
 
@@ -330,6 +333,7 @@ class _Run:
         metrics = pending.result() | extra
         log.info("step", step=step, epoch=epoch, **{k: _round(v) for k, v in metrics.items()})
         self.hook.ups_step_end(ctx=self.ctx, step=step, metrics=metrics)
+        self.files.metrics("train", step, metrics)
         self.reports.append(metrics)
 
     def _checkpoint(self) -> str:
