@@ -37,7 +37,7 @@ import structlog
 import torch
 
 from ups.core import RankFailedError, RunContext, at_least, decide, gather_failures
-from ups.core.files import fsync_dir
+from ups.core.files import fsync_dir, write_atomically
 
 log = structlog.get_logger()
 
@@ -261,7 +261,7 @@ class LocalCheckpointer:
                 files=files,
                 saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             )
-            _write_text(tmp / COMMIT_FILE, manifest.to_json(), exclusive=True)
+            _write_new(tmp / COMMIT_FILE, manifest.to_json())
             fsync_dir(tmp)
             if final.exists():
                 # Saving a step again (after resuming): the new checkpoint replaces the old.
@@ -271,7 +271,7 @@ class LocalCheckpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         fsync_dir(self.folder)
-        _write_text(self.folder / LATEST_FILE, final.name + "\n", exclusive=False)
+        write_atomically(self.folder / LATEST_FILE, final.name + "\n")
         self._retain(protect=final.name)
         return str(final)
 
@@ -446,21 +446,12 @@ def _step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _write_text(path: Path, text: str, *, exclusive: bool) -> None:
-    """Write ``text`` durably: in place (a new file) if ``exclusive``, else via a temporary
-    file in the same folder and ``os.replace``, so readers see the old or the new content."""
-    target = path if exclusive else path.with_name(f".{path.name}-{secrets.token_hex(4)}")
-    try:
-        with open(target, "x") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        if not exclusive:
-            os.replace(target, path)
-    except BaseException:
-        if not exclusive:
-            target.unlink(missing_ok=True)
-        raise
+def _write_new(path: Path, text: str) -> None:
+    """Write ``text`` durably into a file that must not exist yet."""
+    with open(path, "x") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
     fsync_dir(path.parent)
 
 

@@ -36,6 +36,8 @@ import structlog
 
 from ups.core import LaunchRequest, UsageError, above
 from ups.core.config import load_config
+from ups.core.files import write_atomically
+from ups.core.launch import train_args
 
 from . import _procs
 from ._runner import EXIT_FILE, LOG_FILE
@@ -167,7 +169,7 @@ class LocalLauncher:
             start_time=start_time,
             log=str(log_path),
         )
-        _write_atomic(folder / RECORD_FILE, record.to_json())
+        write_atomically(folder / RECORD_FILE, record.to_json())
         log.info("job submitted", run=record.name, pid=pid, folder=str(folder))
         return str(folder)
 
@@ -192,7 +194,7 @@ class LocalLauncher:
         folder, record = self._find(handle)
         if _state(folder, record) != "RUNNING":
             return
-        _write_atomic(folder / CANCEL_FILE, _now() + "\n")
+        write_atomically(folder / CANCEL_FILE, _now() + "\n")
         leader = record.proc
         # Take the family down while its lineage is known: orphans are re-parented to init.
         family = {leader, *_procs.descendants(leader)}
@@ -235,14 +237,11 @@ class LocalLauncher:
             raise UsageError(f"nproc_per_node must be >= 1, not {request.nproc_per_node}")
         if os.name != "posix":
             raise UsageError("the local launcher needs a POSIX system (sessions, process groups)")
-        command = [
+        return [
             self.options.python, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(request.nproc_per_node),
-            "-m", "ups.core", "train", str(Path(request.config).resolve()),
+            *train_args(Path(request.config).resolve(), request.overrides),
         ]  # fmt: skip
-        for override in request.overrides:
-            command += ["-o", override]
-        return command
 
     def _find(self, handle: str) -> tuple[Path, LaunchRecord]:
         path = Path(handle)
@@ -297,12 +296,6 @@ def _signal_all(pgid: int, family: set[_procs.Proc], sig: signal.Signals) -> Non
     _procs.signal_group(pgid, sig)
     for proc in family:
         _procs.signal_proc(proc, sig)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _now() -> str:

@@ -16,7 +16,13 @@ from typing import Any, TypeVar
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from . import engine, logs
-from .config import Config, DistributedConfig, config_from_mapping, load_config
+from .config import (
+    Config,
+    DistributedConfig,
+    apply_overrides,
+    config_from_mapping,
+    load_config,
+)
 from .context import RunContext, distributed_session, launched
 from .plugins import load_plugins
 
@@ -70,13 +76,14 @@ def train(
 ) -> engine.TrainResult:
     """Train a config (a file, a mapping or a :class:`Config`) on ``nproc`` local processes.
 
-    ``nproc`` defaults to ``distributed.nproc``. Returns rank 0's :class:`~ups.core.TrainResult`.
+    ``nproc`` defaults to ``distributed.nproc``; ``overrides`` (``key.path=value``) apply to a
+    file or a mapping. Returns rank 0's :class:`~ups.core.TrainResult`.
     Plugins must be installed (entry points) to be seen by the spawned processes.
     """
     if isinstance(config, str | Path):
         config = load_config(config, overrides)
     elif not isinstance(config, Config):
-        config = config_from_mapping(config)
+        config = config_from_mapping(apply_overrides(dict(config), overrides))
     nproc = nproc or config.distributed.nproc
     if nproc == 1 or launched():
         return train_in_place(config)
@@ -85,10 +92,7 @@ def train(
 
 def train_in_place(config: Config) -> engine.TrainResult:
     """Join the process group this process's environment describes, and train ``config``."""
-    d = config.distributed
-    with distributed_session(d.enabled, d.backend, d.timeout_s) as ctx:
-        logs.configure(ctx)
-        return train_here(ctx, config)
+    return _worker(train_here, (config,), config.distributed)
 
 
 def train_here(ctx: RunContext, config: Config) -> engine.TrainResult:
@@ -101,7 +105,15 @@ def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: i
 
     :raises ChildFailedError: when a rank fails (after ``max_restarts`` restarts).
     """
+    elastic_launch(_launch_config(nproc, max_restarts), sys.executable)(
+        *train_args(config, overrides)
+    )
+
+
+def train_args(config: Path, overrides: Iterable[str]) -> list[str]:
+    """The Python arguments that run ``ups train CONFIG -o ...`` in place, on each rank a
+    launcher starts: ``-m ups.core train CONFIG -o key=value ...``."""
     args = ["-m", "ups.core", "train", str(config)]
     for item in overrides:
         args += ["-o", item]
-    elastic_launch(_launch_config(nproc, max_restarts), sys.executable)(*args)
+    return args
