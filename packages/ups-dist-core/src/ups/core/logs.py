@@ -52,6 +52,8 @@ def configure(ctx: RunContext, level: str = "info", fmt: Format | None = None) -
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write a line (PrintLogger writes the newline apart): lines of two ranks sharing
+        # a pipe interleave whole, never mid-line.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
