@@ -45,6 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     _overrides(check)
 
     commands.add_parser("plugins", help="list the plugins found and what they provide")
+
+    report = commands.add_parser(
+        "report", help="summarise a run folder's metrics and plot them into a PNG"
+    )
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's folder")
+    report.add_argument(
+        "--output",
+        type=Path,
+        metavar="PATH",
+        help="the figure's file (default: RUN_DIR/report.png)",
+    )
     return parser
 
 
@@ -121,4 +132,16 @@ def _plugins(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"train": _train, "validate": _validate, "plugins": _plugins}
+def _report(args: argparse.Namespace) -> int:
+    from .report import plot, read_metrics, run_name, summary
+
+    records = read_metrics(args.run_dir)
+    name = run_name(args.run_dir)
+    output = args.output or args.run_dir / "report.png"
+    plot(records, output, name)
+    print(summary(records, name))
+    print(f"plot: {output}")
+    return EXIT_OK
+
+
+_COMMANDS = {"train": _train, "validate": _validate, "plugins": _plugins, "report": _report}
