@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from . import launch, logs
 from .config import Config, load_config
@@ -81,7 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
-        print(f"ups: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        # The message a rank's error file holds (see _train), else how the process ended.
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        print(
+            f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
@@ -95,7 +102,8 @@ def _train(args: argparse.Namespace) -> int:
         if nproc > 1:
             launch.torchrun(args.config, nproc, args.override)
             return EXIT_OK
-    launch.train_in_place(config)
+    # record: a launched rank's error goes to the file its elastic agent reads it from.
+    record(launch.train_in_place)(config)
     return EXIT_OK
 
 

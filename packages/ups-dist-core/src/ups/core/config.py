@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import attrs
 import yaml
@@ -22,6 +22,8 @@ from .errors import ConfigError, UsageError
 from .imports import resolve_spec
 from .schedule import Rule
 from .structure import above, at_least, structure
+
+F = TypeVar("F", bound="FactoryConfig")
 
 
 @attrs.frozen(kw_only=True)
@@ -68,6 +70,17 @@ class EvalConfig(FactoryConfig):
 
 
 @attrs.frozen(kw_only=True)
+class MetricsConfig(FactoryConfig):
+    """User metrics: ``factory(**options)`` returns ``fn(outputs, targets)``, called on every
+    training micro-batch without gradients, returning a mapping of metric names to numbers
+    (floats or 0-d tensors). Every rank must return the same names."""
+
+    reduce: dict[str, Literal["mean", "sum", "max"]] = attrs.field(factory=dict)
+    """How each metric is aggregated over the batches of a report and over all ranks:
+    ``mean`` (weighted by batch size; the default for names not listed), ``sum`` or ``max``."""
+
+
+@attrs.frozen(kw_only=True)
 class TrainingConfig:
     """The optimisation."""
 
@@ -97,6 +110,11 @@ class TrainingConfig:
     """``torch.compile`` the model before wrapping it in DDP."""
     max_steps: int | None = attrs.field(default=None, validator=at_least(1))
     """Stop after this many optimizer steps, even mid-epoch."""
+    max_oom_skips: int = attrs.field(default=3, validator=at_least(0))
+    """When a rank runs out of memory every rank skips the batch together; stop with an error
+    after this many skipped steps in a row (``0``: the first out-of-memory stops the run)."""
+    peak_flops: float | None = attrs.field(default=None, validator=above(0))
+    """Peak FLOP/s of one device, for the ``mfu`` metric (with a model that counts its FLOPs)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -161,6 +179,8 @@ class Config:
     data: DataConfig
     eval: EvalConfig | None = None
     """Evaluation data and how often to evaluate; ``null``: no evaluation."""
+    metrics: MetricsConfig | None = None
+    """User metrics reported with the loss; ``null``: the loss only."""
     run: RunConfig = attrs.field(factory=RunConfig)
     training: TrainingConfig = attrs.field(factory=TrainingConfig)
     distributed: DistributedConfig = attrs.field(factory=DistributedConfig)
@@ -264,12 +284,13 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: Path | None = None) -
 
 
 def _resolve_paths(config: Config, base: Path) -> Config:
-    evaluation = config.eval
-    if evaluation is not None:
-        evaluation = attrs.evolve(evaluation, factory=resolve_spec(evaluation.factory, base))
+    def resolved(section: F) -> F:
+        return attrs.evolve(section, factory=resolve_spec(section.factory, base))
+
     return attrs.evolve(
         config,
-        model=attrs.evolve(config.model, factory=resolve_spec(config.model.factory, base)),
-        data=attrs.evolve(config.data, factory=resolve_spec(config.data.factory, base)),
-        eval=evaluation,
+        model=resolved(config.model),
+        data=resolved(config.data),
+        eval=config.eval and resolved(config.eval),
+        metrics=config.metrics and resolved(config.metrics),
     )

@@ -7,11 +7,14 @@ clipped once to a global norm that is the same number on every rank, then applie
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
+import itertools
 import math
+import time
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -21,10 +24,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from .collectives import Failure, RankFailedError, gather_failures
 from .config import Config, FactoryConfig
 from .context import RunContext
 from .errors import ConfigError
 from .evaluation import evaluate, shard_loader
+from .faults import FaultInjector
 from .imports import load_object
 from .metrics import LossWindow, PendingReport, per_sample_losses
 from .optim import build_optimizer, build_scheduler
@@ -32,8 +37,14 @@ from .plugins import Registry
 from .records import Checkpointer
 from .rundir import RunFiles
 from .schedule import Schedule, apply_lr_multiplier
+from .user_metrics import PendingMetrics, UserMetrics
 
 log = structlog.get_logger()
+
+Batch = Sequence[torch.Tensor]
+"""``(inputs, targets)`` or ``(inputs, targets, task_ids)``."""
+Taken = tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]
+"""What a micro-batch adds to the metrics: per-sample losses, task ids, user metrics."""
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,7 +62,8 @@ class TrainResult:
     checkpoint: str | None
     """Where the final checkpoint went."""
     metrics: tuple[dict[str, float], ...] = ()
-    """Every report's metrics (``loss``, ``loss/<task>``, ``grad_norm``, ``lr``, ...)."""
+    """Every report's metrics (``loss``, ``loss/<task>``, ``grad_norm``, ``lr``,
+    ``samples_per_s``, ``oom_skipped``, user metrics, ...)."""
     eval_metrics: tuple[dict[str, float], ...] = ()
     """Every evaluation's metrics, over the whole evaluation set (``loss``, ``loss/<task>``)."""
 
@@ -162,12 +174,21 @@ class _Run:
         apply_lr_multiplier(self.optimizer, self.schedule.lr_multiplier, self.scheduler)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=t.precision == "fp16")
         self.window = LossWindow(config.data.tasks, ctx.device)
+        self.user_metrics = None
+        if config.metrics is not None:
+            fn = load_object(config.metrics.factory, "metrics.factory")(**config.metrics.options)
+            self.user_metrics = UserMetrics(fn, config.metrics.reduce, ctx.device)
         self.files = RunFiles(config, ctx)
-        self.step = self.epoch = 0
+        self.step = self.epoch = self.attempts = 0
+        faults = FaultInjector(ctx.rank)
+        if faults:  # in the model's forward: inside DDP's, after its own collectives
+            self.model.register_forward_pre_hook(lambda *_: faults.check(self.attempts))
+        self.oom_skipped = self.oom_in_a_row = 0
         self.evaluated_at = -1
         self.reports: list[dict[str, float]] = []
         self.eval_reports: list[dict[str, float]] = []
-        self._pending: tuple[int, int, dict[str, float], PendingReport] | None = None
+        self._pending: _Report | None = None
+        self._reported_at = (0, 0.0)
 
     def train(self) -> TrainResult:
         t, ctx = self.config.training, self.ctx
@@ -185,6 +206,7 @@ class _Run:
         )
         location, saved_at, grad_norm = None, -1, float("nan")
         self.ddp.train()
+        self._reported_at = (self.step, time.perf_counter())
         while self._more_steps() and self.epoch < t.epochs:
             if self.loader.batch_size != self.schedule.batch_size:
                 self.loader = self._loader()  # a scheduled batch size, from this epoch on
@@ -195,7 +217,10 @@ class _Run:
             while left and self._more_steps():
                 group = min(self.schedule.accumulation_steps, left)
                 left -= group
-                grad_norm = self._optimizer_step(batches, group)
+                norm = self._optimizer_step(batches, group)
+                if norm is None:
+                    continue  # every rank skipped the batch
+                grad_norm = norm
                 self.step += 1
                 self._finish_report()
                 if self.step % self.config.run.log_every == 0:
@@ -261,26 +286,32 @@ class _Run:
         max_steps = self.config.training.max_steps
         return not self.schedule.stopped and (max_steps is None or self.step < max_steps)
 
-    def _optimizer_step(self, batches: Iterator[Sequence[torch.Tensor]], group: int) -> float:
+    def _optimizer_step(self, batches: Iterator[Batch], group: int) -> float | None:
         """Forward and backward ``group`` micro-batches, then one optimizer step; return the
-        gradient norm before clipping (NaN when not clipping)."""
+        gradient norm before clipping (NaN when not clipping), or ``None`` when every rank
+        skipped the step because one ran out of memory.
+
+        What fails before the synchronising backward (loading, forward passes, the local
+        backward passes) is agreed on by every rank before any of them goes on: once before the
+        last micro-batch's forward through DDP (which may hold collectives of its own), once
+        after it. Each agreement is one all-reduce of a flag when all went well.
+        """
         t = self.config.training
-        for i in range(group):
-            batch = next(batches)
-            inputs, targets = batch[0].to(self.ctx.device), batch[1].to(self.ctx.device)
-            task_ids = batch[2] if len(batch) > 2 else None
-            local = i < group - 1 and isinstance(self.ddp, DistributedDataParallel)
-            with self._autocast():
-                # Micro-batches before the last skip DDP: their gradients stay on this rank.
-                forward = typing.cast(nn.Module, self.ddp.module) if local else self.ddp
-                out = forward(inputs)
-                per_sample = per_sample_losses(t.loss, out, targets)
-            loss = self.scaler.scale(per_sample.mean() / group)
-            if local:
-                self._accumulate_locally(loss)
-            else:
-                loss.backward()  # type: ignore[no-untyped-call]
+        self.attempts += 1
+        micro_batches = itertools.islice(batches, group)
+        taken: list[Taken] = []
+        losses: list[torch.Tensor] = []
+        if (
+            group > 1 and not self._agreed(self._local_micro_batches, micro_batches, group, taken)
+        ) or not self._agreed(self._synced_forward, micro_batches, group, taken, losses):
+            collections.deque(micro_batches, maxlen=0)  # read the rest: ranks stay in step
+            return None
+        self.oom_in_a_row = 0
+        losses[0].backward()  # type: ignore[no-untyped-call]
+        for per_sample, task_ids, values in taken:
             self.window.add(per_sample, task_ids)
+            if self.user_metrics is not None:
+                self.user_metrics.add(values, len(per_sample))
         grad_norm = float("nan")
         if t.grad_clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
@@ -292,6 +323,81 @@ class _Run:
         if self.scheduler is not None:
             self.scheduler.step()
         return grad_norm
+
+    def _agreed(self, work: Callable[..., None], *args: Any) -> bool:
+        """Run ``work(*args)`` and tell whether every rank did it without failing; if one ran
+        out of memory, every rank skips the step (``False``); any other failure is raised on
+        every rank. A collective."""
+        error = None
+        try:
+            work(*args)
+        except Exception as failure:
+            error = failure
+        failures = gather_failures(self.ctx, error)
+        if failures:
+            self._skip(failures, error)
+        return not failures
+
+    def _local_micro_batches(
+        self, micro_batches: Iterator[Batch], group: int, taken: list[Taken]
+    ) -> None:
+        """Forward and backward every micro-batch of the step but the last, keeping their
+        gradients on this rank: through the bare module, so no collective runs."""
+        local = isinstance(self.ddp, DistributedDataParallel)
+        module = typing.cast(nn.Module, self.ddp.module) if local else self.ddp
+        for batch in itertools.islice(micro_batches, group - 1):
+            loss = self._forward(module, batch, group, taken)
+            if local:
+                self._accumulate_locally(loss)
+            else:
+                loss.backward()  # type: ignore[no-untyped-call]
+
+    def _synced_forward(
+        self,
+        micro_batches: Iterator[Batch],
+        group: int,
+        taken: list[Taken],
+        losses: list[torch.Tensor],
+    ) -> None:
+        """Forward the step's last micro-batch through DDP; its backward synchronises."""
+        losses.append(self._forward(self.ddp, next(micro_batches), group, taken))
+
+    def _forward(
+        self, module: nn.Module, batch: Batch, group: int, taken: list[Taken]
+    ) -> torch.Tensor:
+        """One micro-batch's forward pass: return its scaled loss (a ``group``-th of the mean),
+        and append to ``taken`` its per-sample losses, task ids and user metrics, for the
+        caller to count once the step is sure to be taken."""
+        inputs, targets = batch[0].to(self.ctx.device), batch[1].to(self.ctx.device)
+        with self._autocast():
+            out = module(inputs)
+            per_sample = per_sample_losses(self.config.training.loss, out, targets)
+        values = self.user_metrics.compute(out, targets) if self.user_metrics else {}
+        taken.append((per_sample, batch[2] if len(batch) > 2 else None, values))
+        return self.scaler.scale(per_sample.mean() / group)
+
+    def _skip(self, failures: list[Failure], error: Exception | None) -> None:
+        """Skip the step on every rank if ranks only ran out of memory (and not too often in a
+        row); else raise on every rank, naming the rank that failed and how."""
+        step = self.step + 1
+        crashed = [f for f in failures if not f.out_of_memory]
+        if crashed:
+            raise RankFailedError(f"step {step}: {crashed[0]}") from error
+        self.oom_skipped += 1
+        self.oom_in_a_row += 1
+        ranks = [f.rank for f in failures]
+        limit = self.config.training.max_oom_skips
+        if self.oom_in_a_row > limit:
+            raise RankFailedError(
+                f"step {step}: out of memory on rank {', '.join(map(str, ranks))} "
+                f"{self.oom_in_a_row} times in a row (training.max_oom_skips: {limit}); "
+                "lower training.batch_size (`ups tune` finds the largest that fits)"
+            ) from error
+        if self.ctx.is_main:
+            log.warning("out of memory: every rank skips the batch", step=step, ranks=ranks)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _accumulate_locally(self, loss: torch.Tensor) -> None:
         """Add ``loss``'s gradients to ``.grad`` without DDP's reducer seeing them; the last
@@ -319,19 +425,38 @@ class _Run:
 
     def _start_report(self, grad_norm: float) -> None:
         self._finish_report()
-        extra = {"lr": self.optimizer.param_groups[0]["lr"]}
+        last_step, last_time = self._reported_at
+        self._reported_at = (self.step, time.perf_counter())
+        extra = {"lr": self.optimizer.param_groups[0]["lr"], "oom_skipped": self.oom_skipped}
         if not math.isnan(grad_norm):
             extra["grad_norm"] = grad_norm
-        self._pending = (self.step, self.epoch, extra, self.window.report(self.ctx))
+        self._pending = _Report(
+            step=self.step,
+            epoch=self.epoch,
+            extra=extra,
+            losses=self.window.report(self.ctx),
+            user=self.user_metrics.report(self.ctx) if self.user_metrics else None,
+            steps=self.step - last_step,
+            seconds=self._reported_at[1] - last_time,
+        )
 
     def _finish_report(self) -> None:
         """Log and hand on the report started at an earlier step, if any."""
-        if self._pending is None:
+        report, self._pending = self._pending, None
+        if report is None:
             return
-        step, epoch, extra, pending = self._pending
-        self._pending = None
-        metrics = pending.result() | extra
-        log.info("step", step=step, epoch=epoch, **{k: _round(v) for k, v in metrics.items()})
+        metrics = report.losses.result()
+        if report.user is not None:
+            metrics |= report.user.result()
+        metrics |= report.extra
+        metrics |= {
+            "samples_per_s": metrics["samples"] / report.seconds,
+            "step_time_s": report.seconds / report.steps,
+        }
+        step = report.step
+        log.info(
+            "step", step=step, epoch=report.epoch, **{k: _round(v) for k, v in metrics.items()}
+        )
         self.hook.ups_step_end(ctx=self.ctx, step=step, metrics=metrics)
         self.files.metrics("train", step, metrics)
         self.reports.append(metrics)
@@ -351,6 +476,21 @@ class _Run:
         self.hook.ups_checkpoint_saved(ctx=self.ctx, step=self.step, location=location)
         log.info("checkpoint saved", step=self.step, location=location)
         return location
+
+
+@attrs.frozen(kw_only=True)
+class _Report:
+    """A report on its way: what is known at its step, and the all-reduces still running."""
+
+    step: int
+    epoch: int
+    extra: dict[str, float]
+    losses: PendingReport
+    user: PendingMetrics | None
+    steps: int
+    """Optimizer steps since the report before."""
+    seconds: float
+    """Wall time since the report before (this rank's)."""
 
 
 def _round(value: float) -> float:

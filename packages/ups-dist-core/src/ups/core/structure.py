@@ -110,7 +110,8 @@ def _convert(tp: Any, value: object, key: str) -> Any:
     if origin in (dict, Mapping):
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
             raise ConfigError(key, f"expected a mapping with string keys, got {_show(value)}")
-        return dict(value)
+        (_key_type, value_type) = typing.get_args(tp)
+        return {k: _convert(value_type, v, _join(key, k)) for k, v in value.items()}
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is type(None) and value is None:

@@ -29,8 +29,10 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     """
     load_object(config.model.factory, "model.factory")
     load_object(config.data.factory, "data.factory")
-    if config.eval is not None:
-        load_object(config.eval.factory, "eval.factory")
+    for key in ("eval", "metrics"):
+        section = getattr(config, key)
+        if section is not None:
+            load_object(section.factory, f"{key}.factory")
     sampler, _ = registry.select("sampler", config.sampler.name, config.sampler.options, "sampler")
     registry.select("comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook")
     registry.select("checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint")

@@ -1,0 +1,121 @@
+"""A failure on one rank becomes the same outcome on every rank, on real processes: an
+out-of-memory step is skipped by all, any other error stops all, naming the rank."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ups.core import RunContext, UsageError, load_config, load_plugins, train
+from ups.core.engine import train as train_rank
+from ups.core.faults import ENV, Fault, FaultInjector, parse_faults
+from ups.core.testing import run_ranks, tiny_project
+
+
+def outcome(ctx: RunContext, config_path: Path) -> tuple[str, str]:
+    """Train on this rank; return how it ended: ("ok", steps) or (exception class, message)."""
+    try:
+        result = train_rank(load_config(config_path), ctx, load_plugins())
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "ok", str(result.steps)
+
+
+def test_fault_specs_parse_and_bad_ones_name_the_item() -> None:
+    assert parse_faults(" oom@1:3,4 ; error@0:7") == (
+        Fault("oom", 1, frozenset({3, 4})),
+        Fault("error", 0, frozenset({7})),
+    )
+    with pytest.raises(UsageError, match=r"UPS_FAULTS: bad item 'kill@1:3'; expected KIND@RANK"):
+        parse_faults("oom@1:3;kill@1:3")
+    with pytest.raises(UsageError, match="bad item 'oom@x:3'"):
+        parse_faults("oom@x:3")
+
+
+def test_an_injector_fires_only_on_its_rank_and_steps() -> None:
+    env = {ENV: "oom@1:2;error@0:3"}
+    injector = FaultInjector(1, env)
+    injector.check(1)
+    injector.check(3)
+    with pytest.raises(RuntimeError, match="CUDA out of memory") as oom:
+        injector.check(2)
+    assert type(oom.value).__name__ == "OutOfMemoryError"
+    injector.check(2)  # once a step: the step's later forward passes go on
+    assert not FaultInjector(2, env)
+    with pytest.raises(RuntimeError, match="injected error .* on rank 0 at step 3"):
+        FaultInjector(0, env).check(3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("static_graph", [False, True], ids=["plain", "static_graph"])
+@pytest.mark.parametrize(
+    "accumulation", [1, 2], ids=["in_the_ddp_forward", "in_a_local_micro_batch"]
+)
+def test_an_oom_on_one_rank_is_skipped_by_every_rank_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, static_graph: bool, accumulation: int
+) -> None:
+    monkeypatch.setenv(ENV, "oom@1:3")
+    config = tiny_project(
+        tmp_path,
+        training={"epochs": 2, "accumulation_steps": accumulation},
+        distributed={"static_graph": static_graph},
+        run={"log_every": 1},
+    )
+    result = train(config, nproc=2)
+    # 64 samples, 2 ranks, batch 8: 8 micro-batches a rank over 2 epochs
+    attempts = 8 // accumulation
+    assert result.steps == attempts - 1
+    skipped = [m["oom_skipped"] for m in result.metrics]
+    assert skipped == [0, 0] + [1] * (attempts - 3)  # attempt 3 was skipped
+    # The skipped step's micro-batches (8 samples on each rank) are not counted.
+    assert sum(m["samples"] for m in result.metrics) == 2 * 64 - 16 * accumulation
+
+
+@pytest.mark.slow
+def test_repeated_ooms_stop_every_rank_with_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV, "oom@0:2,3")
+    config = tiny_project(tmp_path, training={"epochs": 2, "max_oom_skips": 1})
+    ends = run_ranks(outcome, 2, config)
+    message = (
+        "step 2: out of memory on rank 0 2 times in a row (training.max_oom_skips: 1); "
+        "lower training.batch_size (`ups tune` finds the largest that fits)"
+    )
+    assert ends == [("RankFailedError", message)] * 2
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_stops_every_rank_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV, "error@1:3")
+    config = tiny_project(tmp_path, training={"epochs": 2})
+    message = "step 3: rank 1: RuntimeError: injected error (injected by UPS_FAULTS on rank 1 at step 3)"
+    assert run_ranks(outcome, 2, config) == [("RankFailedError", message)] * 2
+
+
+@pytest.mark.slow
+def test_the_cli_names_the_failed_rank_and_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV, "error@1:2")
+    config = tiny_project(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 1
+    # Every rank stops with the same error; the first to exit is reported.
+    assert re.fullmatch(
+        r"ups: rank [01] failed: RankFailedError: step 2: rank 1: RuntimeError: injected error "
+        r"\(injected by UPS_FAULTS on rank 1 at step 2\)",
+        run.stderr.splitlines()[-1],
+    )
