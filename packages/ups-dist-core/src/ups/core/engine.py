@@ -378,11 +378,14 @@ class _Run:
 
     def _skip(self, failures: list[Failure], error: Exception | None) -> None:
         """Skip the step on every rank if ranks only ran out of memory (and not too often in a
-        row); else raise on every rank, naming the rank that failed and how."""
+        row); else raise on every rank: a failed rank its own error, the others a
+        :class:`RankFailedError` naming the first rank that failed and how."""
         step = self.step + 1
         crashed = [f for f in failures if not f.out_of_memory]
         if crashed:
-            raise RankFailedError(f"step {step}: {crashed[0]}") from error
+            if error is not None and not Failure(0, type(error).__name__, str(error)).out_of_memory:
+                raise error
+            raise RankFailedError(f"step {step}: {crashed[0]}")
         self.oom_skipped += 1
         self.oom_in_a_row += 1
         ranks = [f.rank for f in failures]

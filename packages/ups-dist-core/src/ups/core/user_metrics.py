@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .context import RunContext
-from .errors import UsageError
+from .errors import ConfigError, UsageError
 
 MetricFn = Callable[[torch.Tensor, torch.Tensor], Mapping[str, Any]]
 """``fn(outputs, targets)``: a batch's metrics, as numbers or 0-d tensors."""
@@ -39,7 +39,7 @@ class UserMetrics:
     def compute(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """The user function's metrics of a batch, as float64 0-d tensors (no host sync).
 
-        :raises UsageError: naming a metric whose value is not a single number.
+        :raises ConfigError: naming a metric whose value is not a single number.
         """
         with torch.no_grad():
             values = self._fn(outputs.detach(), targets)
@@ -47,9 +47,9 @@ class UserMetrics:
         for name, value in values.items():
             tensor = torch.as_tensor(value).detach().to(self._device, torch.float64)
             if tensor.numel() != 1:
-                raise UsageError(
-                    f"metrics.factory: metric {name!r} is not one number "
-                    f"(a tensor of shape {tuple(tensor.shape)})"
+                raise ConfigError(
+                    "metrics.factory",
+                    f"metric {name!r} is not one number (a tensor of shape {tuple(tensor.shape)})",
                 )
             metrics[name] = tensor.reshape(())
         return metrics
