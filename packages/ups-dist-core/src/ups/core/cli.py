@@ -1,4 +1,4 @@
-"""The ``ups`` command: ``train``, ``validate`` and ``plugins``.
+"""The ``ups`` command: ``train``, ``validate``, ``tune``, ``report`` and ``plugins``.
 
 Usage errors (bad config, unknown plugin, missing file) print one line and exit with status 2.
 """
@@ -37,7 +37,23 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--nproc", type=int, help="processes on this machine (default: distributed.nproc)"
     )
+    train.add_argument(
+        "--profile",
+        type=int,
+        metavar="STEPS",
+        help="trace STEPS steps after warm-up with torch.profiler, per rank, and measure the "
+        "communication profile (into RUN_DIR/profile)",
+    )
     _overrides(train)
+
+    tune = commands.add_parser(
+        "tune", help="find the largest per-rank batch size that fits on every rank"
+    )
+    tune.add_argument("config", type=Path)
+    tune.add_argument("--nproc", type=int, help="processes on this machine")
+    tune.add_argument("--start", type=int, default=1, help="the first batch size to try")
+    tune.add_argument("--limit", type=int, help="the largest to try (default: a rank's data)")
+    _overrides(tune)
 
     check = commands.add_parser("validate", help="check a config without training")
     check.add_argument("config", type=Path)
@@ -95,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.profile is not None:
+        args.override.append(f"run.profile_steps={args.profile}")
     config = load_config(args.config, args.override)
     nproc = args.nproc or config.distributed.nproc
     if not launched():
@@ -104,6 +122,19 @@ def _train(args: argparse.Namespace) -> int:
             return EXIT_OK
     # record: a launched rank's error goes to the file its elastic agent reads it from.
     record(launch.train_in_place)(config)
+    return EXIT_OK
+
+
+def _tune(args: argparse.Namespace) -> int:
+    if args.start < 1 or (args.limit is not None and args.limit < args.start):
+        raise UsageError(f"--start ({args.start}) must be >= 1 and --limit >= --start")
+    config = load_config(args.config, args.override)
+    nproc = args.nproc or config.distributed.nproc
+    if not launched():
+        _check(config, load_plugins(), nproc)
+    size = launch.tune(config, nproc=nproc, start=args.start, limit=args.limit)
+    if not launched():  # launched ranks log it (rank 0)
+        print(f"training.batch_size: {size} fits on every rank ({nproc} processes)")
     return EXIT_OK
 
 
@@ -152,4 +183,10 @@ def _report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"train": _train, "validate": _validate, "plugins": _plugins, "report": _report}
+_COMMANDS = {
+    "tune": _tune,
+    "train": _train,
+    "validate": _validate,
+    "plugins": _plugins,
+    "report": _report,
+}

@@ -38,6 +38,10 @@ class RunConfig:
     """Where runs keep their files (checkpoints, logs), relative to the working directory."""
     log_every: int = attrs.field(default=10, validator=at_least(1))
     """Report aggregated metrics every this many optimizer steps."""
+    profile_steps: int | None = attrs.field(default=None, validator=at_least(1))
+    """Trace this many steps after warm-up with ``torch.profiler``, per rank, then measure
+    the communication profile; both go to the run's ``profile/`` folder
+    (``ups train --profile STEPS``)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import inspect
 import itertools
+import json
 import math
 import time
 import typing
@@ -22,7 +23,7 @@ import structlog
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from .collectives import Failure, RankFailedError, gather_failures
 from .config import Config, FactoryConfig
@@ -34,6 +35,7 @@ from .imports import load_object
 from .metrics import LossWindow, PendingReport, per_sample_losses
 from .optim import build_optimizer, build_scheduler
 from .plugins import Registry
+from .profiling import StepProfiler, comm_profile, model_counts, throughput
 from .records import Checkpointer
 from .rundir import RunFiles
 from .schedule import Schedule, apply_lr_multiplier
@@ -114,7 +116,7 @@ def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     """Train the configured model on this rank; every rank of the job calls this together."""
     hook = registry.manager.hook
     try:
-        result = _Run(config, ctx, registry).train()
+        result = Run(config, ctx, registry).train()
     except BaseException as error:
         hook.ups_error(ctx=ctx, error=error)
         raise
@@ -122,8 +124,9 @@ def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     return result
 
 
-class _Run:
-    """One rank's training run: what it built from the config, and the loop over it."""
+class Run:
+    """One rank's training run: what it built from the config, and the loop over it.
+    :func:`train` is how to use it; ``ups tune`` uses :meth:`trial_step`."""
 
     def __init__(self, config: Config, ctx: RunContext, registry: Registry) -> None:
         self.config, self.ctx, self.hook = config, ctx, registry.manager.hook
@@ -184,11 +187,17 @@ class _Run:
         if faults:  # in the model's forward: inside DDP's, after its own collectives
             self.model.register_forward_pre_hook(lambda *_: faults.check(self.attempts))
         self.oom_skipped = self.oom_in_a_row = 0
+        self.flops_per_sample, self.tokens_per_sample = model_counts(self.model)
+        steps = config.run.profile_steps
+        self.profiler = StepProfiler(ctx, config.run_dir, steps) if steps else None
         self.evaluated_at = -1
         self.reports: list[dict[str, float]] = []
         self.eval_reports: list[dict[str, float]] = []
         self._pending: _Report | None = None
         self._reported_at = (0, 0.0)
+        self._grad_norm = float("nan")
+        self._location: str | None = None
+        self._saved_at = -1
 
     def train(self) -> TrainResult:
         t, ctx = self.config.training, self.ctx
@@ -204,9 +213,36 @@ class _Run:
             batch_size=self.schedule.batch_size,
             accumulation_steps=self.schedule.accumulation_steps,
         )
-        location, saved_at, grad_norm = None, -1, float("nan")
         self.ddp.train()
         self._reported_at = (self.step, time.perf_counter())
+        with self.profiler or contextlib.nullcontext():
+            self._loop()
+        if self.step % self.config.run.log_every:
+            self._start_report(self._grad_norm)
+        self._finish_report()
+        if self.eval_loader is not None and self.evaluated_at != self.step:
+            self._evaluate()
+        if self._saved_at != self.step:
+            self._location = self._checkpoint()
+        losses = tuple(r["loss"] for r in self.reports)
+        log.info(
+            "done",
+            steps=self.step,
+            epochs=self.epoch,
+            loss=round(losses[-1], 6) if losses else None,
+        )
+        return TrainResult(
+            steps=self.step,
+            epochs=self.epoch,
+            losses=losses,
+            checkpoint=self._location,
+            metrics=tuple(self.reports),
+            eval_metrics=tuple(self.eval_reports),
+        )
+
+    def _loop(self) -> None:
+        """The epochs and their steps, until the data, ``max_steps`` or the schedule ends them."""
+        t, ctx = self.config.training, self.ctx
         while self._more_steps() and self.epoch < t.epochs:
             if self.loader.batch_size != self.schedule.batch_size:
                 self.loader = self._loader()  # a scheduled batch size, from this epoch on
@@ -220,39 +256,61 @@ class _Run:
                 norm = self._optimizer_step(batches, group)
                 if norm is None:
                     continue  # every rank skipped the batch
-                grad_norm = norm
+                self._grad_norm = norm
                 self.step += 1
                 self._finish_report()
                 if self.step % self.config.run.log_every == 0:
-                    self._start_report(grad_norm)
+                    self._start_report(norm)
+                if self.profiler is not None:
+                    self._profile_step(self.profiler)
                 decision = self.schedule.decide(ctx, self.step, self._maybe_evaluate())
                 if decision is not None and decision.lr_multiplier is not None:
                     apply_lr_multiplier(self.optimizer, decision.lr_multiplier, self.scheduler)
                 every = self.config.checkpoint.every_steps
                 if (every and self.step % every == 0) or (decision and decision.save):
-                    location, saved_at = self._checkpoint(), self.step
-        if self.step % self.config.run.log_every:
-            self._start_report(grad_norm)
-        self._finish_report()
-        if self.eval_loader is not None and self.evaluated_at != self.step:
-            self._evaluate()
-        if saved_at != self.step:
-            location = self._checkpoint()
-        losses = tuple(r["loss"] for r in self.reports)
-        log.info(
-            "done",
-            steps=self.step,
-            epochs=self.epoch,
-            loss=round(losses[-1], 6) if losses else None,
-        )
-        return TrainResult(
-            steps=self.step,
-            epochs=self.epoch,
-            losses=losses,
-            checkpoint=location,
-            metrics=tuple(self.reports),
-            eval_metrics=tuple(self.eval_reports),
-        )
+                    self._location, self._saved_at = self._checkpoint(), self.step
+
+    def _profile_step(self, profiler: StepProfiler) -> None:
+        """Tell the profiler a step ended; when its trace is written, measure the
+        communication profile (every rank reaches this at the same step)."""
+        profiler.step()
+        if profiler.trace is None:
+            return
+        self.profiler = None
+        batch = self._sample_batch(self.schedule.batch_size)
+        local = isinstance(self.ddp, DistributedDataParallel)
+
+        def step(sync: bool) -> None:
+            module = typing.cast(nn.Module, self.ddp.module) if local and not sync else self.ddp
+            loss = self._forward(module, batch, 1, [])
+            if local and not sync:
+                self._accumulate_locally(loss)
+            else:
+                loss.backward()  # type: ignore[no-untyped-call]
+            self.optimizer.zero_grad(set_to_none=True)
+
+        profile = comm_profile(self.ctx, step)
+        log.info("communication profile", trace=str(profiler.trace), **profile.summary())
+        if self.ctx.is_main:
+            (profiler.trace.parent / "comm.json").write_text(json.dumps(profile.as_dict()))
+
+    def trial_step(self, batch_size: int) -> None:
+        """One optimizer step on ``batch_size`` samples of the data, on this rank alone (no
+        collective: through the bare module), to see whether it fits in memory."""
+        local = isinstance(self.ddp, DistributedDataParallel)
+        module = typing.cast(nn.Module, self.ddp.module) if local else self.ddp
+        loss = self._forward(module, self._sample_batch(batch_size), 1, [])
+        if local:
+            self._accumulate_locally(loss)
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _sample_batch(self, size: int) -> Batch:
+        """A batch of the data's first ``size`` samples (repeated if the data has fewer)."""
+        return default_collate([self.dataset[i % len(self.dataset)] for i in range(size)])  # type: ignore[no-any-return]
 
     def _loader(self) -> DataLoader[Any]:
         return DataLoader(self.dataset, batch_size=self.schedule.batch_size, sampler=self.sampler)
@@ -452,10 +510,15 @@ class _Run:
         if report.user is not None:
             metrics |= report.user.result()
         metrics |= report.extra
-        metrics |= {
-            "samples_per_s": metrics["samples"] / report.seconds,
-            "step_time_s": report.seconds / report.steps,
-        }
+        metrics |= throughput(
+            metrics["samples"],
+            report.seconds,
+            world_size=self.ctx.world_size,
+            flops_per_sample=self.flops_per_sample,
+            tokens_per_sample=self.tokens_per_sample,
+            peak_flops=self.config.training.peak_flops,
+        )
+        metrics["step_time_s"] = report.seconds / report.steps
         step = report.step
         log.info(
             "step", step=step, epoch=report.epoch, **{k: _round(v) for k, v in metrics.items()}

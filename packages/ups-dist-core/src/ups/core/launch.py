@@ -25,6 +25,7 @@ from .config import (
 )
 from .context import RunContext, distributed_session, launched
 from .plugins import load_plugins
+from .tune import tune_here
 
 T = TypeVar("T")
 
@@ -93,6 +94,15 @@ def train(
 def train_in_place(config: Config) -> engine.TrainResult:
     """Join the process group this process's environment describes, and train ``config``."""
     return _worker(train_here, (config,), config.distributed)
+
+
+def tune(config: Config, *, nproc: int, start: int = 1, limit: int | None = None) -> int:
+    """The largest per-rank batch size whose step fits on each of ``nproc`` local processes
+    (:func:`ups.core.tune.tune_batch_size`); in place when launched already."""
+    args = (config, start, limit)
+    if nproc == 1 or launched():
+        return _worker(tune_here, args, config.distributed)
+    return run_processes(tune_here, *args, nproc=nproc, distributed=config.distributed)
 
 
 def train_here(ctx: RunContext, config: Config) -> engine.TrainResult:

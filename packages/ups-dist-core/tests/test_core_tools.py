@@ -1,0 +1,90 @@
+"""The engine's tools on real ranks: ``ups tune`` (the collective batch-size finder) and
+``ups train --profile`` (traces and the communication profile)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ups.core import load_config, train
+from ups.core.launch import tune
+from ups.core.testing import tiny_project
+
+LIMITED_MODULE = '''
+import os
+
+import torch
+from torch import nn
+
+
+class Limited(nn.Module):
+    """Runs out of memory on batches larger than its rank's limit."""
+
+    def __init__(self, limits):
+        super().__init__()
+        self.inner = nn.Linear(4, 1)
+        self.limit = limits[int(os.environ.get("RANK", "0"))]
+
+    def forward(self, x):
+        if len(x) > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory: {len(x)} > {self.limit}")
+        return self.inner(x)
+
+
+def build_model(limits):
+    return Limited(limits)
+'''
+
+
+def limited_project(folder: Path, limits: list[int]) -> Path:
+    """The tiny project, with a model that fits batches up to ``limits[rank]``."""
+    model = {"factory": "limited.py:build_model", "options": {"limits": limits}}
+    config = tiny_project(folder, model=model)
+    (folder / "limited.py").write_text(LIMITED_MODULE)
+    return config
+
+
+def test_tune_on_one_process_finds_the_largest_batch_that_fits(tmp_path: Path) -> None:
+    config = load_config(limited_project(tmp_path, [40]))
+    assert tune(config, nproc=1) == 40
+    assert tune(config, nproc=1, limit=16) == 16
+    assert not (tmp_path / "runs").exists()  # it trains nothing and writes nothing there
+
+
+@pytest.mark.slow
+def test_tune_on_two_ranks_agrees_on_what_fits_everywhere(tmp_path: Path) -> None:
+    config = limited_project(tmp_path, [40, 23])
+    run = subprocess.run(
+        [sys.executable, "-m", "ups.core", "tune", str(config), "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[-1] == "training.batch_size: 23 fits on every rank (2 processes)"
+
+
+@pytest.mark.slow
+def test_profile_writes_a_trace_per_rank_and_the_communication_profile(tmp_path: Path) -> None:
+    config = tiny_project(tmp_path, training={"epochs": 2}, run={"profile_steps": 2})
+    result = train(config, nproc=2)
+    assert result.steps == 8
+    folder = tmp_path / "runs" / "tiny" / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["comm.json", "rank0.json", "rank1.json"]
+    for rank in (0, 1):
+        steps = {
+            e["name"]
+            for e in json.loads((folder / f"rank{rank}.json").read_text())["traceEvents"]
+            if e.get("name", "").startswith("ProfilerStep#")
+        }
+        assert steps == {"ProfilerStep#2", "ProfilerStep#3"}  # after the skipped and warm-up
+    comm = json.loads((folder / "comm.json").read_text())
+    assert [r["rank"] for r in comm["ranks"]] == [0, 1]
+    for rank in comm["ranks"]:
+        assert rank["total_s"] > 0 and 0 <= rank["comm_share"] <= 1
+        assert rank["peak_memory_mb"] > 0
