@@ -88,3 +88,34 @@ def test_profile_writes_a_trace_per_rank_and_the_communication_profile(tmp_path:
     for rank in comm["ranks"]:
         assert rank["total_s"] > 0 and 0 <= rank["comm_share"] <= 1
         assert rank["peak_memory_mb"] > 0
+
+
+COUNTED_MODULE = '''
+from torch import nn
+
+
+class Counted(nn.Linear):
+    flops_per_sample = 6e6
+    tokens_per_sample = 4
+
+    def __init__(self):
+        super().__init__(4, 1)
+
+
+def build_model():
+    return Counted()
+'''
+
+
+def test_a_model_that_counts_gets_tokens_tflops_and_mfu_in_its_reports(tmp_path: Path) -> None:
+    config = tiny_project(
+        tmp_path, model={"factory": "counted.py:build_model"}, training={"peak_flops": 1e9}
+    )
+    (tmp_path / "counted.py").write_text(COUNTED_MODULE)
+    result = train(config)
+    for report in result.metrics:
+        rate = report["samples_per_s"]
+        assert rate == pytest.approx(report["samples"] / (report["step_time_s"] * 2))
+        assert report["tokens_per_s"] == pytest.approx(4 * rate)
+        assert report["tflops"] == pytest.approx(6e6 * rate / 1e12)
+        assert report["mfu"] == pytest.approx(6e6 * rate / 1e9)
