@@ -112,7 +112,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every distribution's sources."""
     install(session, *PACKAGES)
-    session.install(TOOLS["mypy"], "types-PyYAML")
+    session.install(TOOLS["mypy"], "types-PyYAML", "types-tqdm")
     session.run("mypy", *(f"packages/{d}/src" for d in PACKAGES.values()))
 
 

@@ -23,6 +23,13 @@ def test_two_processes_train_and_return_rank_0s_result(project: Path) -> None:
     state = torch.load(result.checkpoint, weights_only=True)
     assert state["step"] == 40
     assert set(state["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # unwrapped from DDP
+    # every rank's own log, at info level, whatever its console shows
+    for rank in (0, 1):
+        lines = (project / "runs" / "tiny" / "logs" / f"rank{rank}.jsonl").read_text()
+        events = [json.loads(line) for line in lines.splitlines()]
+        assert {e["rank"] for e in events} == {rank}
+        assert [e["event"] for e in events][0] == "training"
+        assert [e["steps"] for e in events if e["event"] == "done"] == [40]
 
 
 def test_one_process_trains_in_place_and_stops_at_max_steps(project: Path) -> None:

@@ -90,7 +90,7 @@ def test_profile_writes_a_trace_per_rank_and_the_communication_profile(tmp_path:
         assert rank["peak_memory_mb"] > 0
 
 
-COUNTED_MODULE = '''
+COUNTED_MODULE = """
 from torch import nn
 
 
@@ -104,7 +104,7 @@ class Counted(nn.Linear):
 
 def build_model():
     return Counted()
-'''
+"""
 
 
 def test_a_model_that_counts_gets_tokens_tflops_and_mfu_in_its_reports(tmp_path: Path) -> None:

@@ -32,10 +32,12 @@ from .errors import ConfigError
 from .evaluation import evaluate, shard_loader
 from .faults import FaultInjector
 from .imports import load_object
+from .logs import rank_log_file
 from .metrics import LossWindow, PendingReport, per_sample_losses
 from .optim import build_optimizer, build_scheduler
 from .plugins import Registry
 from .profiling import StepProfiler, comm_profile, model_counts, throughput
+from .progress import Progress
 from .records import Checkpointer
 from .rundir import RunFiles
 from .schedule import Schedule, apply_lr_multiplier
@@ -116,7 +118,8 @@ def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     """Train the configured model on this rank; every rank of the job calls this together."""
     hook = registry.manager.hook
     try:
-        result = Run(config, ctx, registry).train()
+        with rank_log_file(ctx, config.run_dir):
+            result = Run(config, ctx, registry).train()
     except BaseException as error:
         hook.ups_error(ctx=ctx, error=error)
         raise
@@ -198,6 +201,7 @@ class Run:
         self._grad_norm = float("nan")
         self._location: str | None = None
         self._saved_at = -1
+        self.progress = Progress(ctx, None, enabled=False)
 
     def train(self) -> TrainResult:
         t, ctx = self.config.training, self.ctx
@@ -215,7 +219,8 @@ class Run:
         )
         self.ddp.train()
         self._reported_at = (self.step, time.perf_counter())
-        with self.profiler or contextlib.nullcontext():
+        with self.profiler or contextlib.nullcontext(), Progress(ctx, self._total_steps()) as bar:
+            self.progress = bar
             self._loop()
         if self.step % self.config.run.log_every:
             self._start_report(self._grad_norm)
@@ -258,6 +263,7 @@ class Run:
                     continue  # every rank skipped the batch
                 self._grad_norm = norm
                 self.step += 1
+                self.progress.update(self.step)
                 self._finish_report()
                 if self.step % self.config.run.log_every == 0:
                     self._start_report(norm)
@@ -269,6 +275,12 @@ class Run:
                 every = self.config.checkpoint.every_steps
                 if (every and self.step % every == 0) or (decision and decision.save):
                     self._location, self._saved_at = self._checkpoint(), self.step
+
+    def _total_steps(self) -> int:
+        """The optimizer steps the run will take, as the config stands (for the progress bar)."""
+        per_epoch = math.ceil(len(self.loader) / self.schedule.accumulation_steps)
+        total = per_epoch * self.config.training.epochs
+        return min(total, self.config.training.max_steps or total)
 
     def _profile_step(self, profiler: StepProfiler) -> None:
         """Tell the profiler a step ended; when its trace is written, measure the
@@ -520,6 +532,7 @@ class Run:
         )
         metrics["step_time_s"] = report.seconds / report.steps
         step = report.step
+        self.progress.update(self.step, metrics)
         log.info(
             "step", step=step, epoch=report.epoch, **{k: _round(v) for k, v in metrics.items()}
         )
