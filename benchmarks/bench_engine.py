@@ -173,6 +173,7 @@ def write_config(folder: Path, name: str, *, max_steps: int, probe: dict[str, in
     config["model"]["factory"] = f"{HERE}:timed_model"
     config["model"]["options"]["probe"] = {"out": str(out), **probe}
     config["data"]["factory"] = f"{EXAMPLE}:build_dataset"
+    config.pop("eval", None)  # the hand-written loop does not evaluate
     config["training"].update(epochs=10**6, max_steps=max_steps)
     config["distributed"].update(backend="gloo")
     config["checkpoint"]["every_steps"] = None

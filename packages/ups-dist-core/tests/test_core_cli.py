@@ -3,26 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-
-def ups(
-    *args: str, cwd: Path | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    env = os.environ | {"UPS_LOG_FORMAT": "json"}
-    return subprocess.run(
-        [sys.executable, "-m", "ups.core", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cwd,
-    )
+from ups.core.testing import run_ups as ups
 
 
 def test_validate_accepts_a_good_config(project: Path) -> None:

@@ -28,7 +28,7 @@ def test_two_processes_train_and_return_rank_0s_result(project: Path) -> None:
         lines = (project / "runs" / "tiny" / "logs" / f"rank{rank}.jsonl").read_text()
         events = [json.loads(line) for line in lines.splitlines()]
         assert {e["rank"] for e in events} == {rank}
-        assert [e["event"] for e in events][0] == "training"
+        assert events[0]["event"] == "training"
         assert [e["steps"] for e in events if e["event"] == "done"] == [40]
 
 

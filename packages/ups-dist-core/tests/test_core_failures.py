@@ -4,8 +4,6 @@ out-of-memory step is skipped by all, any other error stops all, naming the rank
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,7 @@ import pytest
 from ups.core import RunContext, UsageError, load_config, load_plugins, train
 from ups.core.engine import train as train_rank
 from ups.core.faults import ENV, Fault, FaultInjector, parse_faults
-from ups.core.testing import run_ranks, tiny_project
+from ups.core.testing import run_ranks, run_ups, tiny_project
 
 
 def outcome(ctx: RunContext, config_path: Path) -> tuple[str, str]:
@@ -108,13 +106,7 @@ def test_the_cli_names_the_failed_rank_and_its_error(
 ) -> None:
     monkeypatch.setenv(ENV, "error@1:2")
     config = tiny_project(tmp_path)
-    run = subprocess.run(
-        [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    run = run_ups("train", str(config), "--nproc", "2")
     assert run.returncode == 1
     # Every rank stops with the same error; the first to exit is reported.
     assert re.fullmatch(

@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ups.core import load_config, train
 from ups.core.launch import tune
-from ups.core.testing import tiny_project
+from ups.core.testing import run_ups, tiny_project
 
 LIMITED_MODULE = '''
 import os
@@ -58,13 +56,7 @@ def test_tune_on_one_process_finds_the_largest_batch_that_fits(tmp_path: Path) -
 @pytest.mark.slow
 def test_tune_on_two_ranks_agrees_on_what_fits_everywhere(tmp_path: Path) -> None:
     config = limited_project(tmp_path, [40, 23])
-    run = subprocess.run(
-        [sys.executable, "-m", "ups.core", "tune", str(config), "--nproc", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    run = run_ups("tune", str(config), "--nproc", "2")
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines()[-1] == "training.batch_size: 23 fits on every rank (2 processes)"
 

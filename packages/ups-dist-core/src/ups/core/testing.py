@@ -11,6 +11,8 @@ import os
 import pickle
 import queue as queue_module
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -86,6 +88,22 @@ def tiny_project(folder: Path, **sections: Any) -> Path:
     path = folder / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def run_ups(
+    *args: str, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run the ``ups`` command (``python -m ups.core ARGS``) as users do, logging JSON; return
+    its exit status, stdout and stderr."""
+    return subprocess.run(
+        [sys.executable, "-m", "ups.core", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ | {"UPS_LOG_FORMAT": "json"},
+        cwd=cwd,
+        check=False,
+    )
 
 
 def free_port() -> int:
