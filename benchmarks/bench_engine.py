@@ -164,10 +164,15 @@ def plain_torchrun(config_path: str) -> None:
 # The driver
 
 
-def write_config(folder: Path, name: str, *, max_steps: int, probe: dict[str, int]) -> Path:
-    """The example's config with the probe in the model factory, steps capped, no checkpoints
-    but the final one (the hand-written loop has none), its files under ``folder``."""
-    config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+def write_config(
+    folder: Path, name: str, *, max_steps: int, probe: dict[str, int], overrides: list[str]
+) -> Path:
+    """The example's config with ``overrides``, the probe in the model factory, steps capped,
+    no checkpoints but the final one (the hand-written loop has none), its files under
+    ``folder``."""
+    from ups.core.config import apply_overrides
+
+    config = apply_overrides(yaml.safe_load(EXAMPLE_CONFIG.read_text()), overrides)
     out = folder / f"{name}.probe.json"
     config["run"].update(name=name, output_dir=str(folder / "runs"))
     config["model"]["factory"] = f"{HERE}:timed_model"
@@ -295,6 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="steps before the timed window")
     parser.add_argument("--scaling-repeats", type=int, default=3, help="rounds on 1 rank")
     parser.add_argument("--first-step-repeats", type=int, default=3)
+    parser.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a value of the engine's config, e.g. -o training.skip_oom=true",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / ".nox-reports" / "bench_engine.json")
     parser.add_argument("--plain-worker", metavar="CONFIG", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -312,14 +325,26 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ups-bench-") as tmp:
         folder = Path(tmp)
         probe = {"warmup": args.warmup, "steps": args.steps, "segment": args.segment}
-        timed = write_config(folder, "timed", max_steps=args.warmup + args.steps, probe=probe)
+        timed = write_config(
+            folder,
+            "timed",
+            max_steps=args.warmup + args.steps,
+            probe=probe,
+            overrides=args.override,
+        )
         print(f"throughput, 2 ranks: steps {args.warmup + 1}..{args.warmup + args.steps} timed")
         two = alternate(args.repeats, lambda side: throughput_run(side, timed, 2, log), "2 ranks")
         print("throughput, 1 rank")
         one = alternate(
             args.scaling_repeats, lambda side: throughput_run(side, timed, 1, log), "1 rank"
         )
-        first = write_config(folder, "first", max_steps=3, probe={"warmup": 0, "steps": 0})
+        first = write_config(
+            folder,
+            "first",
+            max_steps=3,
+            probe={"warmup": 0, "steps": 0},
+            overrides=args.override,
+        )
         print("time to first step: ups train --nproc 2 vs torchrun --nproc-per-node 2")
         starts = alternate(
             args.first_step_repeats, lambda side: first_step_run(side, first, log), "first step"
@@ -339,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
         },
         "source": source_state(),
+        "overrides": args.override,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plain_worker")},
         "throughput_2_ranks": {
             "steps_per_s": compare(two, "steps_per_s", ratio),

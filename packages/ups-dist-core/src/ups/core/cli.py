@@ -96,15 +96,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ups: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
-        # The message a rank's error file holds (see _train), else how the process ended.
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        print(
-            f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}",
-            file=sys.stderr,
-        )
+        # Each failed rank, first to fail first: the message its error file holds (see
+        # _train), else how the process ended.
+        for rank, failure in sorted(error.failures.items(), key=lambda f: f[1].timestamp):
+            message = failure.message
+            if isinstance(message, dict):
+                message = message.get("message", "")
+            print(
+                f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}",
+                file=sys.stderr,
+            )
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130

@@ -114,9 +114,14 @@ class TrainingConfig:
     """``torch.compile`` the model before wrapping it in DDP."""
     max_steps: int | None = attrs.field(default=None, validator=at_least(1))
     """Stop after this many optimizer steps, even mid-epoch."""
+    skip_oom: bool | Literal["auto"] = "auto"
+    """Agree every step, before the synchronising backward, on whether every rank got there
+    (one all-reduce of a flag): a rank out of memory makes every rank skip the step, any other
+    error stops every rank naming it. ``auto``: on CUDA and on one process; off for several
+    CPU processes, where memory errors are not recoverable and the flag costs most."""
     max_oom_skips: int = attrs.field(default=3, validator=at_least(0))
-    """When a rank runs out of memory every rank skips the batch together; stop with an error
-    after this many skipped steps in a row (``0``: the first out-of-memory stops the run)."""
+    """With ``skip_oom``, stop with an error after this many skipped steps in a row (``0``:
+    the first out-of-memory error stops the run)."""
     peak_flops: float | None = attrs.field(default=None, validator=above(0))
     """Peak FLOP/s of one device, for the ``mfu`` metric (with a model that counts its FLOPs)."""
 

@@ -190,6 +190,9 @@ class Run:
         if faults:  # in the model's forward: inside DDP's, after its own collectives
             self.model.register_forward_pre_hook(lambda *_: faults.check(self.attempts))
         self.oom_skipped = self.oom_in_a_row = 0
+        self.agree = t.skip_oom
+        if self.agree == "auto":
+            self.agree = ctx.device.type == "cuda" or not ctx.distributed
         self.flops_per_sample, self.tokens_per_sample = model_counts(self.model)
         steps = config.run.profile_steps
         self.profiler = StepProfiler(ctx, config.run_dir, steps) if steps else None
@@ -397,7 +400,10 @@ class Run:
     def _agreed(self, work: Callable[..., None], *args: Any) -> bool:
         """Run ``work(*args)`` and tell whether every rank did it without failing; if one ran
         out of memory, every rank skips the step (``False``); any other failure is raised on
-        every rank. A collective."""
+        every rank. A collective, with ``training.skip_oom`` on; else failures just raise."""
+        if not self.agree:
+            work(*args)
+            return True
         error = None
         try:
             work(*args)
