@@ -139,3 +139,12 @@ def bench(session: nox.Session) -> None:
     see docs/benchmarks.md. Not a default session: ``nox -s bench``."""
     install(session, "core")
     session.run("python", "benchmarks/bench_engine.py", *session.posargs)
+
+
+@nox.session(name="bench_samplers", default=False)
+def bench_samplers(session: nox.Session) -> None:
+    """Benchmark the samplers of ups-samplers against torch's ``DistributedSampler`` (one
+    epoch of one rank, 10^8 samples, 8 ranks); see benchmarks/README.md. Not a default session:
+    ``nox -s bench_samplers``; small runs: ``nox -s bench_samplers -- --size 1000000``."""
+    install(session, "core", "samplers")
+    session.run("python", "benchmarks/bench_samplers.py", *session.posargs)

@@ -76,3 +76,29 @@ def test_a_validation_loss_rule_needs_evaluations_during_training(tmp_path: Path
         ConfigError, match=r"^schedule\[0\].when.val_loss_below: needs an evaluation loss"
     ):
         validate(config, load_plugins(env={"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}))
+
+
+@pytest.mark.parametrize(
+    ("section", "name", "message"),
+    [
+        (
+            "sampler",
+            "shard",
+            r"^sampler.name: 'shard' gives every sample to one rank.*training: torch$",
+        ),
+        (
+            "eval",
+            "torch",
+            r"^eval.sampler.name: 'torch' pads the ranks' shares.*evaluation: shard$",
+        ),
+    ],
+)
+def test_training_and_evaluation_take_samplers_of_their_kind(
+    tmp_path: Path, section: str, name: str, message: str
+) -> None:
+    choice = {"name": name}
+    eval_section = {**EVAL, "sampler": choice} if section == "eval" else EVAL
+    overrides = {"sampler": choice} if section == "sampler" else {}
+    config = load_config(tiny_project(tmp_path, eval=eval_section, **overrides))
+    with pytest.raises(ConfigError, match=message):
+        validate(config, load_plugins(env={"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}))

@@ -37,7 +37,7 @@ NO_AUTOLOAD = {AUTOLOAD_ENV: "1"}
 
 def test_builtins_alone_provide_torch_defaults() -> None:
     registry = load_plugins(env=NO_AUTOLOAD)
-    assert set(registry.records("sampler")) == {"torch"}
+    assert set(registry.records("sampler")) == {"torch", "shard"}
     assert set(registry.records("comm_hook")) == {"none"}
     assert set(registry.records("checkpoint")) == {"simple"}
     assert registry.records("launcher") == {}
@@ -126,7 +126,7 @@ def test_an_unknown_name_lists_what_is_available() -> None:
     with pytest.raises(ConfigError) as info:
         registry.select("sampler", "revers", {}, "sampler")
     assert str(info.value) == (
-        "sampler.name: unknown sampler 'revers'; available: reverse, torch; did you mean 'reverse'?"
+        "sampler.name: unknown sampler 'revers'; available: reverse, shard, torch; did you mean 'reverse'?"
     )
 
 

@@ -1,4 +1,4 @@
-"""The ``tensor`` sampler through the plugin contract: the registry, the config, two real ranks."""
+"""The samplers through the plugin contract: the registry, the config, real ranks."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from ups.core import ConfigError, RunContext, SamplerPlugin, load_plugins, train
@@ -88,3 +89,33 @@ def test_a_config_trains_with_the_tensor_sampler(tmp_path: Path) -> None:
     result = train(config, nproc=2)
     # 65 samples, drop_last: 32 a rank, 2 batches of 16 an epoch (3 batches with padding).
     assert (result.steps, result.epochs) == (4, 2)
+
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pde_multitask.py"
+
+
+@pytest.mark.slow
+def test_the_example_trains_with_the_multitask_and_exact_samplers(tmp_path: Path) -> None:
+    tasks = ["advection", "diffusion", "burgers"]
+    data = {"samples_per_task": 40, "grid": 16}
+    config = tiny_project(
+        tmp_path,
+        model={"factory": f"{EXAMPLE}:build_model", "options": {"grid": 16, "width": 16}},
+        data={"factory": f"{EXAMPLE}:build_dataset", "options": data, "tasks": tasks},
+        eval={
+            "factory": f"{EXAMPLE}:build_dataset",
+            "options": {**data, "samples_per_task": 11, "seed": 1},
+            "sampler": {"name": "exact", "options": {"shuffle": True}},
+        },
+        training={"epochs": 1, "batch_size": 6, "max_steps": 4},
+        sampler={"name": "multitask", "options": {"mixing": "balanced", "epoch_size": 60}},
+    )
+    result = train(config, nproc=2)
+    assert result.steps == 4
+    assert {f"loss/{task}" for task in tasks} <= set(result.metrics[-1])
+    assert result.eval_metrics[-1]["samples"] == 33  # every evaluation sample once
+    # The checkpoint holds where the sampler is: 2 ranks, 4 batches of 6 taken by each.
+    assert result.checkpoint is not None
+    state = torch.load(result.checkpoint, weights_only=True)["sampler"]
+    assert state["sampler"] == "MultiTaskDistributedSampler"
+    assert (state["epoch"], state["segments"], state["length"]) == (0, [[2, 24]], 60)

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from .context import RunContext
+from .evaluation import shard_sampler
 from .markers import hookimpl_default
 from .records import CheckpointBackendPlugin, CommHookPlugin, SamplerPlugin
 from .simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
@@ -51,7 +52,13 @@ def ups_samplers() -> list[SamplerPlugin]:
             factory=torch_sampler,
             options=TorchSamplerOptions,
             description="torch.utils.data.DistributedSampler",
-        )
+        ),
+        SamplerPlugin(
+            name="shard",
+            factory=shard_sampler,
+            exact=True,
+            description="for evaluation: rank r takes samples r, r+W, ..., each exactly once",
+        ),
     ]
 
 

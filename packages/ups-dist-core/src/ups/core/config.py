@@ -63,6 +63,20 @@ class DataConfig(FactoryConfig):
 
 
 @attrs.frozen(kw_only=True)
+class PluginChoice:
+    """A plugin section: the plugin's ``name`` and its ``options``."""
+
+    name: str
+    options: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class EvalSamplerChoice(PluginChoice):
+    name: str = "shard"
+    """``shard``: rank ``r`` takes samples ``r, r + W, ...``, each exactly once."""
+
+
+@attrs.frozen(kw_only=True)
 class EvalConfig(FactoryConfig):
     """The evaluation data: ``factory(**options)`` returns a map-style dataset like the training
     data's. Evaluation is exact: every sample is counted once over all ranks, none padded."""
@@ -71,6 +85,8 @@ class EvalConfig(FactoryConfig):
     """Evaluate every this many optimizer steps (and always at the end); ``null``: at the end."""
     batch_size: int | None = attrs.field(default=None, validator=at_least(1))
     """Samples per rank per evaluation batch; ``null``: ``training.batch_size``."""
+    sampler: EvalSamplerChoice = attrs.field(factory=EvalSamplerChoice)
+    """The evaluation sampler: one whose plugin declares ``exact=True``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -146,14 +162,6 @@ class DistributedConfig:
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
     """Convert BatchNorm layers to SyncBatchNorm (statistics over all ranks)."""
-
-
-@attrs.frozen(kw_only=True)
-class PluginChoice:
-    """A plugin section: the plugin's ``name`` and its ``options``."""
-
-    name: str
-    options: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)

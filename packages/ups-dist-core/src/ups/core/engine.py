@@ -29,7 +29,7 @@ from .collectives import Failure, RankFailedError, gather_failures
 from .config import Config, FactoryConfig
 from .context import RunContext
 from .errors import ConfigError
-from .evaluation import evaluate, shard_loader
+from .evaluation import evaluate
 from .faults import FaultInjector
 from .imports import load_object
 from .logs import rank_log_file
@@ -42,6 +42,7 @@ from .records import Checkpointer
 from .rundir import RunFiles
 from .schedule import Schedule, apply_lr_multiplier
 from .user_metrics import PendingMetrics, UserMetrics
+from .validate import select_sampler
 
 log = structlog.get_logger()
 
@@ -140,8 +141,8 @@ class Run:
             convert = nn.SyncBatchNorm.convert_sync_batchnorm
             self.model = convert(self.model)  # type: ignore[no-untyped-call]
         dataset = build_dataset(config.data, "data")
-        sampler_plugin, sampler_options = registry.select(
-            "sampler", config.sampler.name, config.sampler.options, "sampler"
+        sampler_plugin, sampler_options = select_sampler(
+            registry, config.sampler, "sampler", exact=False
         )
         self.sampler = sampler_plugin.factory(
             dataset, ctx=ctx, seed=config.run.seed, options=sampler_options
@@ -154,7 +155,12 @@ class Run:
         self.eval_loader = None
         if config.eval is not None:
             eval_set = build_dataset(config.eval, "eval")
-            self.eval_loader = shard_loader(eval_set, ctx, config.eval.batch_size or t.batch_size)
+            plugin, options = select_sampler(
+                registry, config.eval.sampler, "eval.sampler", exact=True
+            )
+            shards = plugin.factory(eval_set, ctx=ctx, seed=config.run.seed, options=options)
+            batch_size = config.eval.batch_size or t.batch_size
+            self.eval_loader = DataLoader(eval_set, batch_size=batch_size, sampler=shards)
         module = torch.compile(self.model) if t.compile else self.model
         self.ddp = wrap(module, ctx, config)  # type: ignore[arg-type]
         if isinstance(self.ddp, DistributedDataParallel):
@@ -340,6 +346,9 @@ class Run:
 
     def _evaluate(self) -> dict[str, float]:
         assert self.eval_loader is not None
+        shards = self.eval_loader.sampler
+        if hasattr(shards, "set_epoch"):  # a new order each evaluation, for one that shuffles
+            shards.set_epoch(len(self.eval_reports))
         metrics = evaluate(
             self.model,
             self.eval_loader,
@@ -555,6 +564,7 @@ class Run:
             "step": self.step,
             "epoch": self.epoch,
             "schedule": self.schedule.state_dict(),
+            "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else {},
             "config_digest": self.config.digest(),
         }
         location = self.checkpointer.save(state, step=self.step)

@@ -9,7 +9,7 @@ otherwise be needed for), then one all-reduce adds up the per-task loss sums and
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -34,10 +34,9 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def shard_loader(dataset: Any, ctx: RunContext, batch_size: int) -> DataLoader[Any]:
-    """A loader over this rank's exact shard of ``dataset``."""
-    sampler = ShardSampler(len(dataset), ctx.rank, ctx.world_size)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+def shard_sampler(dataset: Sized, *, ctx: RunContext, seed: int, options: object) -> ShardSampler:
+    """The built-in ``shard`` evaluation sampler: this rank's :class:`ShardSampler`."""
+    return ShardSampler(len(dataset), ctx.rank, ctx.world_size)
 
 
 def evaluate(

@@ -65,6 +65,10 @@ class SamplerPlugin(PluginRecord):
     factory: SamplerFactory
     multi_task: bool = False
     """Whether it balances the tasks of multi-task data (``data.tasks``) across ranks."""
+    exact: bool = False
+    """Whether it gives every sample to exactly one rank, none padded, so that the ranks'
+    shares may differ in length: an evaluation sampler (``eval.sampler``), not a training one
+    (DDP needs every rank to take the same number of steps)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,7 +78,10 @@ def structure(cls: type[T], data: object, path: str = "") -> T:
             except (ValueError, TypeError) as error:
                 raise ConfigError(key, f"{_show(value)} is not allowed: {error}") from None
         kwargs[name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as error:  # a check across fields, in the class's __attrs_post_init__
+        raise ConfigError(path, str(error)) from None
 
 
 def _convert(tp: Any, value: object, key: str) -> Any:

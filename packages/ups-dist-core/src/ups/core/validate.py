@@ -5,13 +5,17 @@ Errors raise :class:`~ups.core.errors.ConfigError`; advice comes back as warning
 
 from __future__ import annotations
 
+import typing
+from typing import Any
+
 import torch
 
-from .config import Config
+from .config import Config, PluginChoice
 from .errors import ConfigError
 from .imports import load_object
 from .optim import OPTIMIZERS, SCHEDULERS, resolve
 from .plugins import Registry
+from .records import SamplerPlugin
 from .schedule import schedule_warnings
 
 MIN_GLOBAL_BATCH = 16
@@ -33,7 +37,9 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
         section = getattr(config, key)
         if section is not None:
             load_object(section.factory, f"{key}.factory")
-    sampler, _ = registry.select("sampler", config.sampler.name, config.sampler.options, "sampler")
+    sampler, _ = select_sampler(registry, config.sampler, "sampler", exact=False)
+    if config.eval is not None:
+        select_sampler(registry, config.eval.sampler, "eval.sampler", exact=True)
     registry.select("comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook")
     registry.select("checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint")
     if config.launch.name is not None:
@@ -81,3 +87,33 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     if nproc == 1 and config.comm_hook.name != "none":
         warnings.append(f"comm_hook.name: {config.comm_hook.name!r} has no effect on one process")
     return warnings
+
+
+def select_sampler(
+    registry: Registry, choice: PluginChoice, key: str, *, exact: bool
+) -> tuple[SamplerPlugin, Any]:
+    """The sampler plugin ``choice`` names and its options, for training (``exact=False``:
+    every rank the same number of samples) or for evaluation (``exact=True``: every sample
+    once).
+
+    :raises ConfigError: naming ``key``, for an unknown sampler or one of the other kind.
+    """
+    record, options = registry.select("sampler", choice.name, choice.options, key)
+    assert isinstance(record, SamplerPlugin)
+    if record.exact != exact:
+        kind = (
+            "gives every sample to one rank, so ranks may take different numbers of steps"
+            if record.exact
+            else "pads the ranks' shares to one length, so some samples would count twice"
+        )
+        fits = sorted(
+            name
+            for name, provided in registry.records("sampler").items()
+            if typing.cast(SamplerPlugin, provided.record).exact == exact
+        )
+        raise ConfigError(
+            f"{key}.name",
+            f"{choice.name!r} {kind}; allowed for {'evaluation' if exact else 'training'}: "
+            + ", ".join(fits),
+        )
+    return record, options

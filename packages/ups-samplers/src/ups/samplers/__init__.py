@@ -2,8 +2,36 @@
 
 - ``tensor``: :class:`TensorDistributedSampler`, ``torch.utils.data.DistributedSampler``'s
   indices, kept in tensors instead of Python lists.
+- ``multitask``: :class:`MultiTaskDistributedSampler`, tasks mixed as configured, every rank
+  with its share of every task, tasks interleaved.
+- ``exact`` (for ``eval.sampler``): :class:`ExactDistributedSampler`, every sample on exactly
+  one rank, none padded.
+
+All three resume mid-epoch from ``state_dict()``, on as many ranks or on another number.
 """
 
+from ._exact import ExactDistributedSampler, ExactSamplerOptions, exact_sampler
+from ._multitask import (
+    MultiTaskDistributedSampler,
+    MultiTaskSamplerOptions,
+    epoch_length,
+    mixture,
+    multitask_sampler,
+)
+from ._task_ids import WithTaskIds
 from ._tensor import TensorDistributedSampler, TensorSamplerOptions, tensor_sampler
 
-__all__ = ["TensorDistributedSampler", "TensorSamplerOptions", "tensor_sampler"]
+__all__ = [
+    "ExactDistributedSampler",
+    "ExactSamplerOptions",
+    "MultiTaskDistributedSampler",
+    "MultiTaskSamplerOptions",
+    "TensorDistributedSampler",
+    "TensorSamplerOptions",
+    "WithTaskIds",
+    "epoch_length",
+    "exact_sampler",
+    "mixture",
+    "multitask_sampler",
+    "tensor_sampler",
+]

@@ -5,22 +5,21 @@ torch's sampler turns the whole permutation into a Python list every epoch (``ra
 every rank. This one keeps the permutation a tensor (int32 where the dataset allows), takes
 this rank's share with a strided slice, and hands indices out lazily, a chunk at a time. It
 draws the permutation exactly as torch does, so for the same arguments it yields the same
-indices in the same order.
+indices in the same order; and it can resume mid-epoch (``state_dict``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Sized
+from typing import Any
 
 import attrs
 import torch
-import torch.distributed as dist
-from torch.utils.data import Sampler
 
 from ups.core import RunContext
 
-_INT32_MAX = torch.iinfo(torch.int32).max
+from ._epoch import EpochSampler, index_dtype
 
 
 @attrs.frozen(kw_only=True)
@@ -34,7 +33,7 @@ class TensorSamplerOptions:
     repeating indices from the start."""
 
 
-class TensorDistributedSampler(Sampler[int]):
+class TensorDistributedSampler(EpochSampler):
     """A drop-in for :class:`torch.utils.data.DistributedSampler` that keeps indices in tensors.
 
     Same arguments, same attributes (``num_replicas``, ``rank``, ``epoch``, ``seed``,
@@ -42,7 +41,7 @@ class TensorDistributedSampler(Sampler[int]):
     ``len()``, and the same indices: the permutation is ``torch.randperm`` drawn from a
     ``torch.Generator`` seeded with ``seed + epoch``; without ``drop_last`` the index list is
     padded by wrapping around to its start; rank ``r`` takes every ``num_replicas``-th index
-    from position ``r``.
+    from position ``r``. Beyond torch's: :meth:`state_dict` and :meth:`load_state_dict`.
 
     :param dataset: anything with a length; only ``len(dataset)`` is used.
     :param num_replicas: the number of ranks; default: the default process group's size.
@@ -62,73 +61,31 @@ class TensorDistributedSampler(Sampler[int]):
         *,
         chunk_size: int = 8192,
     ) -> None:
-        if num_replicas is None:
-            num_replicas = dist.get_world_size()
-        if rank is None:
-            rank = dist.get_rank()
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(
-                f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
-            )
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+        super().__init__(num_replicas, rank, seed=seed, drop_last=drop_last, chunk_size=chunk_size)
         self.dataset = dataset
-        self.num_replicas = num_replicas
-        self.rank = rank
         self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self.chunk_size = chunk_size
-        self.epoch = 0
         size = len(dataset)
-        if drop_last and size % num_replicas != 0:
+        if drop_last and size % self.num_replicas != 0:
             # The largest multiple of num_replicas not above the dataset's size (as torch).
-            self.num_samples = math.ceil((size - num_replicas) / num_replicas)
+            self.num_samples = math.ceil((size - self.num_replicas) / self.num_replicas)
         else:
-            self.num_samples = math.ceil(size / num_replicas)
-        self.total_size = self.num_samples * num_replicas
+            self.num_samples = math.ceil(size / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch, which with ``seed`` decides the order when shuffling.
-
-        Call it before iterating, every epoch, with the same value on every rank.
-        """
-        self.epoch = epoch
-
-    def indices(self) -> torch.Tensor:
-        """This rank's indices for the current epoch, in order, as a 1-D integer tensor.
-
-        Its dtype is int32 when every index fits, else int64. Without padding, it is a strided
-        view of the epoch's permutation.
-        """
+    def _pool(self, epoch: int, num_replicas: int) -> torch.Tensor:
         size = len(self.dataset)
-        dtype = torch.int32 if size - 1 <= _INT32_MAX else torch.int64
-        stop = min(size, self.total_size)
-        order: torch.Tensor | None = None
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(size, generator=generator, dtype=dtype)
-            mine = order[self.rank : stop : self.num_replicas]
-        else:
-            mine = _positions(self.rank, stop, self.num_replicas, dtype)
-        if self.total_size <= size:
-            return mine
-        # Padding: positions size..total_size-1 repeat the order from its start, as torch's
-        # sampler does. They are fewer than num_replicas, so this rank gets at most one.
-        first = size + (self.rank - size) % self.num_replicas
-        wrapped = _positions(first, self.total_size, self.num_replicas, torch.int64) % size
-        tail = wrapped if order is None else order[wrapped]
-        return torch.cat((mine, tail.to(dtype)))
+        dtype = index_dtype(size)
+        if not self.shuffle:
+            return torch.arange(size, dtype=dtype)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        return torch.randperm(size, generator=generator, dtype=dtype)
 
-    def __iter__(self) -> Iterator[int]:
-        # The epoch's indices are drawn now, as torch's sampler does, not at the first next().
-        return _ints(self.indices(), self.chunk_size)
+    def _pool_size(self, num_replicas: int) -> int:
+        return len(self.dataset)
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {"size": len(self.dataset), "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def __repr__(self) -> str:
         return (
@@ -136,16 +93,6 @@ class TensorDistributedSampler(Sampler[int]):
             f"rank={self.rank}, shuffle={self.shuffle}, seed={self.seed}, "
             f"drop_last={self.drop_last}, epoch={self.epoch})"
         )
-
-
-def _positions(start: int, stop: int, step: int, dtype: torch.dtype) -> torch.Tensor:
-    """``start, start + step, ...`` below ``stop``, like ``range`` (empty when start >= stop)."""
-    return torch.arange(start, max(start, stop), step, dtype=dtype)
-
-
-def _ints(indices: torch.Tensor, chunk_size: int) -> Iterator[int]:
-    for chunk in torch.split(indices, chunk_size):
-        yield from chunk.tolist()
 
 
 def tensor_sampler(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from ups.core import SamplerPlugin, hookimpl
 
+from ._exact import ExactSamplerOptions, exact_sampler
+from ._multitask import MultiTaskSamplerOptions, multitask_sampler
 from ._tensor import TensorSamplerOptions, tensor_sampler
 
 
@@ -14,6 +16,20 @@ def ups_samplers() -> list[SamplerPlugin]:
             name="tensor",
             factory=tensor_sampler,
             options=TensorSamplerOptions,
-            description="DistributedSampler's indices, kept in int32 tensors, yielded in chunks",
-        )
+            description="DistributedSampler's indices, kept in int32 tensors, resumable",
+        ),
+        SamplerPlugin(
+            name="multitask",
+            factory=multitask_sampler,
+            options=MultiTaskSamplerOptions,
+            multi_task=True,
+            description="tasks mixed balanced/proportional/temperature/weights, even per rank",
+        ),
+        SamplerPlugin(
+            name="exact",
+            factory=exact_sampler,
+            options=ExactSamplerOptions,
+            exact=True,
+            description="for evaluation: every sample on exactly one rank, optionally shuffled",
+        ),
     ]

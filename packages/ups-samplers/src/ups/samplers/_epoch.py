@@ -1,0 +1,284 @@
+"""What every sampler of this distribution shares: an epoch's samples dealt to the ranks, handed
+out in chunks, and a state to resume from mid-epoch, on as many ranks or on another number.
+
+An epoch is a *pool*: the epoch's samples, in order, as one tensor. Rank ``r`` of ``W`` takes
+the pool's positions ``r, r + W, ...``, which the sampler may then reorder (``_arrange``);
+unless the shares may differ in length, the shortest are padded by wrapping around to the
+pool's start (or, with ``drop_last``, the pool's tail is dropped), as torch's
+``DistributedSampler`` does. Padding always comes last in a share.
+
+The state of an epoch in progress is the list of ``(world size, samples taken per rank)``
+segments it went through. On as many ranks, resuming slices this rank's share: ``O(1)`` past
+building the epoch. On another number, the samples no rank has taken yet (padding left out)
+become the pool, dealt anew to the new ranks: each is seen once, plus the padding (or less
+the tail, with ``drop_last``) that dealing to the new ranks needs, as ever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+INT32_MAX = torch.iinfo(torch.int32).max
+
+Segment = tuple[int, int]
+"""``(world size, samples each rank has taken)``: a stretch of an epoch on one world size."""
+
+
+def index_dtype(size: int) -> torch.dtype:
+    """int32 when every index below ``size`` fits, else int64."""
+    return torch.int32 if size - 1 <= INT32_MAX else torch.int64
+
+
+def seeded(*parts: int) -> torch.Generator:
+    """A CPU generator seeded from ``parts`` (well mixed: nearby seeds are unrelated)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    generator = torch.Generator()
+    generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return generator
+
+
+def positions(start: int, stop: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """``start, start + step, ...`` below ``stop``, like ``range`` (empty when start >= stop)."""
+    return torch.arange(start, max(start, stop), step, dtype=dtype)
+
+
+def world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """The world size and rank, from the default process group where not given; checked."""
+    if num_replicas is None:
+        num_replicas = dist.get_world_size()
+    if rank is None:
+        rank = dist.get_rank()
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+    if not 0 <= rank < num_replicas:
+        raise ValueError(
+            f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
+        )
+    return num_replicas, rank
+
+
+class EpochSampler(Sampler[int]):
+    """The shared machinery of this distribution's samplers (see the module's docstring).
+
+    Subclasses build the pool (:meth:`_pool`), may reorder a rank's share (:meth:`_arrange`),
+    and say what a saved state must match (:meth:`_fingerprint`).
+    """
+
+    pad = True
+    """Pad the shorter shares (or drop the tail, with ``drop_last``) so all have one length."""
+
+    def __init__(
+        self,
+        num_replicas: int | None,
+        rank: int | None,
+        *,
+        seed: int,
+        drop_last: bool,
+        chunk_size: int,
+    ) -> None:
+        self.num_replicas, self.rank = world(num_replicas, rank)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+        self.seed = seed
+        self.drop_last = drop_last
+        self.chunk_size = chunk_size
+        self.epoch = 0
+        self._pending: tuple[list[Segment], int] | None = None
+        self._active: tuple[list[Segment], int, int] | None = None
+        self._taken_before = 0
+        self._chunk: Iterator[int] = iter(())
+        self._chunk_len = 0
+
+    # -- what subclasses define --------------------------------------------------------------
+
+    def _pool(self, epoch: int, num_replicas: int) -> torch.Tensor:
+        """The epoch's samples, in the order the ranks are dealt them, for ``num_replicas``."""
+        raise NotImplementedError
+
+    def _pool_size(self, num_replicas: int) -> int:
+        """``len(self._pool(epoch, num_replicas))``, without building it."""
+        raise NotImplementedError
+
+    def _arrange(self, share: torch.Tensor) -> torch.Tensor:
+        """A rank's share of a pool, in the order it is handed out (default: as dealt)."""
+        return share
+
+    def _fingerprint(self) -> dict[str, Any]:
+        """What decides the epochs, beyond ``seed``: a state loads only into its equal."""
+        raise NotImplementedError
+
+    # -- dealing -----------------------------------------------------------------------------
+
+    def _total(self, size: int, num_replicas: int) -> int:
+        """The dealt length of a pool of ``size``: padded or dropped to a multiple of the world."""
+        if not self.pad:
+            return size
+        if self.drop_last:
+            return size // num_replicas * num_replicas
+        return -(-size // num_replicas) * num_replicas
+
+    def _real(self, size: int, num_replicas: int, rank: int) -> int:
+        """How many samples of a pool of ``size`` rank ``rank`` gets, padding left out."""
+        return len(range(rank, min(size, self._total(size, num_replicas)), num_replicas))
+
+    def _share(self, pool: torch.Tensor, num_replicas: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s share of ``pool``, arranged, padding last."""
+        size, total = len(pool), self._total(len(pool), num_replicas)
+        mine = self._arrange(pool[rank : min(size, total) : num_replicas])
+        if total <= size:
+            return mine
+        # Padding: positions size..total-1 wrap around to the pool's start. They are fewer
+        # than num_replicas, so this rank gets at most one.
+        first = size + (rank - size) % num_replicas
+        wrapped = positions(first, total, num_replicas, torch.int64) % size
+        return torch.cat((mine, pool[wrapped]))
+
+    def _remaining(self, pool: torch.Tensor, num_replicas: int, taken: int) -> torch.Tensor:
+        """The samples of ``pool`` that no rank has taken after ``taken`` each (padding left
+        out), interleaved in dealing order: the pool of what is left of the epoch."""
+        rows = [
+            self._share(pool, num_replicas, r)[taken : self._real(len(pool), num_replicas, r)]
+            for r in range(num_replicas)
+        ]
+        width = max((len(row) for row in rows), default=0)
+        grid = torch.full((num_replicas, width), -1, dtype=torch.int64)
+        for r, row in enumerate(rows):
+            grid[r, : len(row)] = row
+        left = grid.t().reshape(-1)
+        return left[left >= 0].to(pool.dtype)
+
+    def _sequence(self, segments: list[Segment], skip: int) -> torch.Tensor:
+        """This rank's samples for an iteration that resumes after ``segments`` and ``skip``."""
+        pool = self._pool(self.epoch, segments[0][0] if segments else self.num_replicas)
+        for size, taken in segments:
+            pool = self._remaining(pool, size, taken)
+        return self._share(pool, self.num_replicas, self.rank)[skip:]
+
+    def _length(self, segments: list[Segment], skip: int) -> int:
+        """``len(self._sequence(segments, skip))``, by arithmetic alone."""
+        size = self._pool_size(segments[0][0] if segments else self.num_replicas)
+        for num_replicas, taken in segments:
+            size = sum(
+                max(0, self._real(size, num_replicas, r) - taken) for r in range(num_replicas)
+            )
+        if self.pad:
+            length = self._total(size, self.num_replicas) // self.num_replicas
+        else:
+            length = self._real(size, self.num_replicas, self.rank)
+        return max(0, length - skip)
+
+    # -- the Sampler -------------------------------------------------------------------------
+
+    def indices(self) -> torch.Tensor:
+        """This rank's indices for the next iteration, in order, as a 1-D integer tensor (the
+        rest of the epoch after :meth:`load_state_dict`)."""
+        return self._sequence(*(self._pending or ([], 0)))
+
+    def __iter__(self) -> Iterator[int]:
+        # The epoch's indices are drawn now, as torch's sampler does, not at the first next().
+        segments, skip = self._pending or ([], 0)
+        self._pending = None
+        sequence = self._sequence(segments, skip)
+        self._active = (segments, skip, len(sequence))
+        self._taken_before, self._chunk, self._chunk_len = 0, iter(()), 0
+        return self._hand_out(sequence)
+
+    def _hand_out(self, sequence: torch.Tensor) -> Iterator[int]:
+        for chunk in torch.split(sequence, self.chunk_size):
+            self._taken_before += self._chunk_len
+            self._chunk = iter(chunk.tolist())
+            self._chunk_len = len(chunk)
+            yield from self._chunk
+
+    def __len__(self) -> int:
+        """Indices this rank's current iteration yields: after :meth:`load_state_dict`, what
+        is left of the epoch; otherwise the whole epoch's share."""
+        if self._pending is not None:
+            return self._length(*self._pending)
+        if self._active is not None:
+            return self._active[2]
+        return self._length([], 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch, which with ``seed`` decides the order when shuffling.
+
+        Call it before iterating, every epoch, with the same value on every rank. A state
+        loaded for another epoch is dropped; one for this epoch is kept.
+        """
+        if epoch != self.epoch:
+            self._pending = None
+            self._active = None
+        self.epoch = epoch
+
+    # -- the state ---------------------------------------------------------------------------
+
+    def _taken(self) -> int:
+        """Indices the current iteration has handed out so far."""
+        return self._taken_before + self._chunk_len - operator.length_hint(self._chunk)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is in the epoch, as plain values; the same on every rank that
+        took as many samples (as ranks of one training step do), so rank 0's will do.
+
+        With a ``DataLoader`` of ``num_workers=0`` the count is exact; worker processes
+        prefetch, so save the state of the samples the step actually consumed."""
+        if self._pending is not None:
+            segments, skip = self._pending
+            if skip:
+                segments = [*segments, (self.num_replicas, skip)]
+        elif self._active is not None:
+            before, skip, _ = self._active
+            segments = [*before, (self.num_replicas, skip + self._taken())]
+        else:
+            segments = []
+        return {
+            "sampler": type(self).__name__,
+            "seed": self.seed,
+            **self._fingerprint(),
+            "epoch": self.epoch,
+            "segments": [list(segment) for segment in segments],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration continues the saved epoch where
+        it stopped, with the same sequence on as many ranks, and with the rest of the epoch
+        dealt anew on another number of ranks (each remaining sample seen once, plus padding).
+
+        :raises ValueError: naming the value, for a state of another sampler, seed or data.
+        """
+        expected = {"sampler": type(self).__name__, "seed": self.seed, **self._fingerprint()}
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"sampler state: {key} is {state.get(key)!r}, this sampler's is {value!r}; "
+                    "load a state into a sampler built as the one that saved it"
+                )
+        segments = [(int(size), int(taken)) for size, taken in state["segments"]]
+        for size, taken in segments:
+            if size < 1 or taken < 0:
+                raise ValueError(f"sampler state: bad segment {[size, taken]} in 'segments'")
+        skip = 0
+        if segments and segments[-1][0] == self.num_replicas:
+            skip = segments.pop()[1]
+        self.epoch = int(state["epoch"])
+        self._pending = (segments, skip)
+        self._active = None
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """Split ``total`` into whole counts in proportion to ``weights`` (largest remainder:
+    each count is within one of its exact share, and they add up to ``total``)."""
+    whole = sum(weights)
+    exact = [total * w / whole for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda t: (counts[t] - exact[t], t))
+    for t in by_remainder[: total - sum(counts)]:
+        counts[t] += 1
+    return counts

@@ -1,0 +1,178 @@
+"""The samplers on real process groups (gloo ranks), and the plugin's registry entries."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import ConcatDataset, TensorDataset
+
+from ups.core import ConfigError, RunContext, SamplerPlugin, load_plugins
+from ups.core.testing import run_ranks
+from ups.samplers import (
+    ExactDistributedSampler,
+    ExactSamplerOptions,
+    MultiTaskDistributedSampler,
+    MultiTaskSamplerOptions,
+    TensorDistributedSampler,
+    multitask_sampler,
+)
+
+SIZES = [37, 5, 120, 1]
+"""Four tasks: a tiny one, a one-sample one, one larger than the rest together."""
+
+MIXINGS: list[dict[str, Any]] = [
+    {"mixing": "proportional"},
+    {"mixing": "balanced", "epoch_size": "max"},
+    {"mixing": "temperature", "temperature": 3.0, "epoch_size": 101},
+    {"mixing": "weights", "weights": [2.0, 0.0, 1.0, 1.0], "drop_last": True},
+]
+
+
+def gathered(drawn: object) -> list[Any]:
+    """What every rank drew, from every rank (``all_gather_object``)."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, drawn)
+    return every
+
+
+def draw_on_this_rank(ctx: RunContext, epoch: int) -> dict[str, Any]:
+    """Each sampler built for this rank from the process group, its epoch drawn, and what
+    every rank drew."""
+    assert (ctx.rank, ctx.world_size) == (dist.get_rank(), dist.get_world_size())
+    multitask = []
+    for options in MIXINGS:
+        sampler = MultiTaskDistributedSampler(SIZES, seed=11, **options)
+        sampler.set_epoch(epoch)
+        assert (sampler.rank, sampler.num_replicas) == (ctx.rank, ctx.world_size)
+        multitask.append(
+            {"indices": gathered(list(sampler)), "len": len(sampler), "counts": sampler.counts()}
+        )
+    tensor = TensorDistributedSampler(range(sum(SIZES)), seed=11)
+    tensor.set_epoch(epoch)
+    exact = ExactDistributedSampler(range(sum(SIZES)), shuffle=True, seed=11)
+    exact.set_epoch(epoch)
+    return {
+        "multitask": multitask,
+        "tensor": gathered(list(tensor)),
+        "exact": gathered(list(exact)),
+    }
+
+
+OFFSETS = [0, 37, 42, 162]
+
+
+def task_of(index: int) -> int:
+    """The task of a dataset index (an index out of range fails the test)."""
+    assert 0 <= index < sum(SIZES)
+    return max(t for t, start in enumerate(OFFSETS) if start <= index)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_ranks_of_a_process_group_partition_the_epoch(world_size: int) -> None:
+    """seed 001's validate_distributed_sampling, as a test: every rank builds its sampler from
+    the process group, and what the ranks drew, gathered, is the epoch, dealt evenly."""
+    epoch = 0
+    results = run_ranks(draw_on_this_rank, world_size, epoch)
+    # Every rank gathered the same thing: what each rank drew.
+    assert all(result == results[0] for result in results)
+    # And what rank r drew is what a sampler for rank r, built here, draws.
+    result = results[0]
+    for options, drawn in zip(MIXINGS, result["multitask"], strict=True):
+        shares = drawn["indices"]
+        for rank, share in enumerate(shares):
+            sampler = MultiTaskDistributedSampler(SIZES, world_size, rank, seed=11, **options)
+            sampler.set_epoch(epoch)
+            assert share == list(sampler)
+        counts = drawn["counts"]
+        assert [len(share) for share in shares] == [drawn["len"]] * world_size
+        assert drawn["len"] * world_size == sum(counts)
+        union = Counter(task_of(i) for share in shares for i in share)
+        assert [union[t] for t in range(len(SIZES))] == counts
+        for share in shares:
+            mine = Counter(task_of(i) for i in share)
+            assert all(abs(mine[t] - c / world_size) < 1 for t, c in enumerate(counts))
+        # Epoch 0 starts each task's stream: its samples, each as often as the others, give
+        # or take one; within one pass over a task, none twice.
+        for t, (start, size) in enumerate(zip(OFFSETS, SIZES, strict=True)):
+            times = Counter(i for share in shares for i in share if task_of(i) == t)
+            assert set(times) <= set(range(start, start + size))
+            often = Counter(times[i] for i in range(start, start + size))
+            q, r = divmod(counts[t], size)
+            assert often == +Counter({q: size - r, q + 1: r})
+    total = sum(SIZES)
+    tensor = result["tensor"]
+    assert len({len(share) for share in tensor}) == 1
+    padded = [i for share in tensor for i in share]
+    assert set(padded) == set(range(total))
+    assert len(padded) - total == -total % world_size
+    exact = result["exact"]
+    assert sorted(i for share in exact for i in share) == list(range(total))
+    assert max(map(len, exact)) - min(map(len, exact)) <= 1
+
+
+# -- the plugin -----------------------------------------------------------------------------
+
+
+def test_the_plugin_registers_multitask_for_training_and_exact_for_evaluation() -> None:
+    records = load_plugins().records("sampler")
+    assert records["multitask"].plugin == records["exact"].plugin == "ups-samplers"
+    multitask, exact, tensor = (records[name].record for name in ("multitask", "exact", "tensor"))
+    assert isinstance(multitask, SamplerPlugin)
+    assert isinstance(exact, SamplerPlugin)
+    assert isinstance(tensor, SamplerPlugin)
+    assert multitask.options is MultiTaskSamplerOptions
+    assert exact.options is ExactSamplerOptions
+    assert (multitask.multi_task, multitask.exact) == (True, False)
+    assert (exact.multi_task, exact.exact) == (False, True)
+    assert (tensor.multi_task, tensor.exact) == (False, False)
+
+
+def tasks(*sizes: int) -> ConcatDataset[tuple[torch.Tensor, ...]]:
+    return ConcatDataset([TensorDataset(torch.arange(n)) for n in sizes])
+
+
+def test_the_config_options_reach_the_multitask_sampler() -> None:
+    registry = load_plugins()
+    record, options = registry.select(
+        "sampler", "multitask", {"mixing": "balanced", "epoch_size": 12}, "sampler"
+    )
+    data = tasks(3, 9)
+    sampler = record.factory(data, ctx=RunContext(rank=1, world_size=2), seed=4, options=options)
+    assert isinstance(sampler, MultiTaskDistributedSampler)
+    assert (sampler.rank, sampler.num_replicas, sampler.seed) == (1, 2, 4)
+    assert sampler.counts() == [6, 6]
+    assert len(sampler) == 6
+
+
+def test_the_multitask_factory_needs_a_concat_dataset() -> None:
+    with pytest.raises(ConfigError, match=r"^data\.factory: returns a range.*ConcatDataset"):
+        multitask_sampler(
+            range(10),
+            ctx=RunContext(rank=0, world_size=1),
+            seed=0,
+            options=MultiTaskSamplerOptions(),
+        )
+
+
+def test_a_bad_multitask_option_is_a_config_error_naming_sampler_options() -> None:
+    registry = load_plugins()
+    bad = {"mixing": "temperature", "temperature": 0}
+    with pytest.raises(
+        ConfigError, match=r"^sampler\.options: temperature: 0(\.0)? is not allowed"
+    ):
+        registry.select("sampler", "multitask", bad, "sampler")
+    # Weights are checked against the tasks only when the sampler meets the data.
+    _, options = registry.select(
+        "sampler", "multitask", {"mixing": "weights", "weights": [1.0]}, "sampler"
+    )
+    data = tasks(3, 9)
+    with pytest.raises(
+        ConfigError, match=r"^sampler\.options: weights: 1 given for 2 tasks"
+    ) as raised:
+        multitask_sampler(data, ctx=RunContext(rank=0, world_size=1), seed=0, options=options)
+    assert raised.value.path == "sampler.options"
