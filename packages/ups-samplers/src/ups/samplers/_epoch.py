@@ -2,7 +2,9 @@
 out in chunks, and a state to resume from mid-epoch, on as many ranks or on another number.
 
 An epoch is a *pool*: the epoch's samples, in order, as one tensor. Rank ``r`` of ``W`` takes
-the pool's positions ``r, r + W, ...``, which the sampler may then reorder (``_arrange``);
+the pool's positions ``r, r + W, ...`` (a sampler that can draw some positions of a pool
+without the rest, as ``multitask`` can, draws only those), which it may then reorder
+(``_arrange``);
 unless the shares may differ in length, the shortest are padded by wrapping around to the
 pool's start (or, with ``drop_last``, the pool's tail is dropped), as torch's
 ``DistributedSampler`` does. Padding always comes last in a share.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +28,9 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 INT32_MAX = torch.iinfo(torch.int32).max
+
+Lookup = Callable[[slice | torch.Tensor], torch.Tensor]
+"""A pool's samples at some positions: a slice (``start:stop:step``) or a tensor of them."""
 
 Segment = tuple[int, int]
 """``(world size, samples each rank has taken)``: a stretch of an epoch on one world size."""
@@ -102,6 +107,11 @@ class EpochSampler(Sampler[int]):
         """The epoch's samples, in the order the ranks are dealt them, for ``num_replicas``."""
         raise NotImplementedError
 
+    def _lookup(self, epoch: int, num_replicas: int) -> Lookup:
+        """What gives the epoch's pool at some positions: by default, the built pool's own
+        indexing; a subclass that can draw some positions without the rest overrides it."""
+        return self._pool(epoch, num_replicas).__getitem__
+
     def _pool_size(self, num_replicas: int) -> int:
         """``len(self._pool(epoch, num_replicas))``, without building it."""
         raise NotImplementedError
@@ -128,23 +138,26 @@ class EpochSampler(Sampler[int]):
         """How many samples of a pool of ``size`` rank ``rank`` gets, padding left out."""
         return len(range(rank, min(size, self._total(size, num_replicas)), num_replicas))
 
-    def _share(self, pool: torch.Tensor, num_replicas: int, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s share of ``pool``, arranged, padding last."""
-        size, total = len(pool), self._total(len(pool), num_replicas)
-        mine = self._arrange(pool[rank : min(size, total) : num_replicas])
+    def _share(self, at: Lookup, size: int, num_replicas: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s share of a pool of ``size`` (its samples at some positions given
+        by ``at``), arranged, padding last."""
+        total = self._total(size, num_replicas)
+        mine = self._arrange(at(slice(rank, min(size, total), num_replicas)))
         if total <= size:
             return mine
         # Padding: positions size..total-1 wrap around to the pool's start. They are fewer
         # than num_replicas, so this rank gets at most one.
         first = size + (rank - size) % num_replicas
         wrapped = positions(first, total, num_replicas, torch.int64) % size
-        return torch.cat((mine, pool[wrapped]))
+        return torch.cat((mine, at(wrapped)))
 
     def _remaining(self, pool: torch.Tensor, num_replicas: int, taken: int) -> torch.Tensor:
         """The samples of ``pool`` that no rank has taken after ``taken`` each (padding left
         out), interleaved in dealing order: the pool of what is left of the epoch."""
         rows = [
-            self._share(pool, num_replicas, r)[taken : self._real(len(pool), num_replicas, r)]
+            self._share(pool.__getitem__, len(pool), num_replicas, r)[
+                taken : self._real(len(pool), num_replicas, r)
+            ]
             for r in range(num_replicas)
         ]
         width = max((len(row) for row in rows), default=0)
@@ -155,11 +168,17 @@ class EpochSampler(Sampler[int]):
         return left[left >= 0].to(pool.dtype)
 
     def _sequence(self, segments: list[Segment], skip: int) -> torch.Tensor:
-        """This rank's samples for an iteration that resumes after ``segments`` and ``skip``."""
-        pool = self._pool(self.epoch, segments[0][0] if segments else self.num_replicas)
+        """This rank's samples for an iteration that resumes after ``segments`` and ``skip``:
+        from the epoch's pool (:meth:`_lookup`), or from what the ranks of earlier segments
+        left of it."""
+        if not segments:
+            at = self._lookup(self.epoch, self.num_replicas)
+            size = self._pool_size(self.num_replicas)
+            return self._share(at, size, self.num_replicas, self.rank)[skip:]
+        pool = self._pool(self.epoch, segments[0][0])
         for size, taken in segments:
             pool = self._remaining(pool, size, taken)
-        return self._share(pool, self.num_replicas, self.rank)[skip:]
+        return self._share(pool.__getitem__, len(pool), self.num_replicas, self.rank)[skip:]
 
     def _length(self, segments: list[Segment], skip: int) -> int:
         """``len(self._sequence(segments, skip))``, by arithmetic alone."""

@@ -8,7 +8,8 @@ count of every task is within one of its share, and interleaves the tasks on eve
 that any stretch of a rank's samples (a batch) holds the mix, not runs of one task.
 
 Each task is an endless stream of passes over its samples, each pass a fresh permutation
-(seeded by the seed, the task and the pass). Epoch ``e`` takes the task's next ``c`` samples of
+(drawn for the seed, the task and the pass, one that gives any of its positions on its own, so
+each rank draws only its share of the epoch). Epoch ``e`` takes the task's next ``c`` samples of
 the stream, positions ``e·c`` to ``(e+1)·c``: a small task over-sampled runs through several
 passes, none repeating a sample within a pass; a large task under-sampled moves on through its
 pass, epoch by epoch.
@@ -16,6 +17,7 @@ pass, epoch by epoch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -27,7 +29,8 @@ from torch.utils.data import ConcatDataset
 
 from ups.core import ConfigError, RunContext
 
-from ._epoch import EpochSampler, apportion, index_dtype, seeded
+from ._epoch import EpochSampler, Lookup, apportion, index_dtype, positions
+from ._permute import shuffled
 
 Mixing = Literal["balanced", "proportional", "temperature", "weights"]
 EpochSize = Literal["sum", "max"] | int
@@ -191,24 +194,32 @@ class MultiTaskDistributedSampler(EpochSampler):
         return size
 
     def _pool(self, epoch: int, num_replicas: int) -> torch.Tensor:
-        parts = [
-            self._stream(t, epoch * count, count) + self.offsets[t]
-            for t, count in enumerate(self.counts(num_replicas))
-            if count
-        ]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=self._dtype)
+        return self._lookup(epoch, num_replicas)(slice(None))
 
-    def _stream(self, task: int, start: int, count: int) -> torch.Tensor:
-        """Positions ``start .. start + count - 1`` of the task's stream of passes."""
-        size = self.sizes[task]
+    def _lookup(self, epoch: int, num_replicas: int) -> Lookup:
+        return functools.partial(self._pool_at, epoch, num_replicas)
+
+    def _pool_at(self, epoch: int, num_replicas: int, where: slice | torch.Tensor) -> torch.Tensor:
+        """The epoch's samples at positions ``where`` of its task-by-task list: task ``t``'s
+        part holds positions ``epoch·c .. (epoch + 1)·c - 1`` of its stream of passes, each
+        pass a permutation drawn for (seed, task, pass) that gives any position on its own
+        (:func:`shuffled`), so a rank draws its share and nothing else."""
+        counts = self.counts(num_replicas)
+        if isinstance(where, torch.Tensor):  # a few positions (padding): one at a time
+            parts = [self._pool_at(epoch, num_replicas, slice(p, p + 1)) for p in where.tolist()]
+            return torch.cat(parts) if parts else torch.empty(0, dtype=self._dtype)
+        start, stop, step = where.indices(sum(counts))
         parts = []
-        for index in range(start // size, (start + count - 1) // size + 1):
-            if self.shuffle:
-                generator = seeded(self.seed, task, index)
-                order = torch.randperm(size, generator=generator, dtype=self._dtype)
-            else:
-                order = torch.arange(size, dtype=self._dtype)
-            parts.append(order[max(start - index * size, 0) : start + count - index * size])
+        for t, (end, count) in enumerate(zip(itertools.accumulate(counts), counts, strict=True)):
+            # The positions of the slice in task t's part, end - count .. end - 1.
+            first = max(start, start + -(-(end - count - start) // step) * step)
+            stream = positions(first, min(stop, end), step, torch.int64)
+            stream += epoch * count - (end - count)
+            drawn = stream % self.sizes[t]
+            if self.shuffle and len(stream):
+                passes = stream // self.sizes[t]
+                drawn = shuffled(drawn, self.sizes[t], (self.seed, t), passes)
+            parts.append((drawn + self.offsets[t]).to(self._dtype))
         return torch.cat(parts)
 
     def task_of(self, indices: torch.Tensor) -> torch.Tensor:
