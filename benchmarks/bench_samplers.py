@@ -8,6 +8,9 @@ torch
     ``torch.utils.data.DistributedSampler`` over an object with ``__len__`` only: the baseline.
 tensor
     ``TensorDistributedSampler``, its drop-in (same arguments, same indices).
+tensor-keyed
+    ``TensorDistributedSampler(permutation="keyed")``: another order, of which the rank draws
+    only its share.
 multitask-temperature, multitask-proportional
     ``MultiTaskDistributedSampler`` over 11 tasks of unequal sizes adding up to ``--size``
     (weights 1, 2, 3, 5, ..., 144, a spread of two orders of magnitude, a few large tasks and
@@ -27,7 +30,7 @@ Rounds alternate the order (torch, tensor, multitask..., then the reverse, ...).
 sampler: the median and [min, max] over the rounds; per ratio: the median, min and max of the
 per-round ratios, against its target:
 
-- tensor / torch, time <= 0.2; tensor / torch, peak memory over the baseline <= 0.25;
+- tensor (and tensor-keyed) / torch, time <= 0.2; and peak memory over the baseline <= 0.25;
 - multitask (each mixing) / tensor, time <= 1.1 (and multitask / torch, for reference).
 
 Usage: ``python benchmarks/bench_samplers.py [--size N] [--world-size W] [--repeats N]
@@ -55,10 +58,11 @@ from typing import Any
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 
-SAMPLERS = ("torch", "tensor", "multitask-temperature", "multitask-proportional")
+SAMPLERS = ("torch", "tensor", "tensor-keyed", "multitask-temperature", "multitask-proportional")
 LABELS = {
     "torch": "torch DistributedSampler",
     "tensor": "TensorDistributedSampler",
+    "tensor-keyed": "TensorDistributedSampler, permutation keyed",
     "multitask-temperature": "MultiTaskDistributedSampler, temperature",
     "multitask-proportional": "MultiTaskDistributedSampler, proportional",
 }
@@ -137,8 +141,14 @@ def worker(kind: str, size: int, world_size: int) -> dict[str, Any]:
         # Only len() of the dataset is used; torch's annotation asks for a Dataset.
         fake: Dataset[int] = dataset  # type: ignore[assignment]
         sampler = DistributedSampler(fake, num_replicas=world_size, rank=RANK, seed=SEED)
-    elif kind == "tensor":
-        sampler = TensorDistributedSampler(dataset, num_replicas=world_size, rank=RANK, seed=SEED)
+    elif kind in ("tensor", "tensor-keyed"):
+        sampler = TensorDistributedSampler(
+            dataset,
+            num_replicas=world_size,
+            rank=RANK,
+            seed=SEED,
+            permutation="keyed" if kind == "tensor-keyed" else "torch",
+        )
     else:
         mixing = kind.removeprefix("multitask-")
         assert mixing in ("temperature", "proportional"), kind
@@ -272,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {
         "tensor_vs_torch_time": ratio(runs, "tensor", "torch", time_key, 0.2),
         "tensor_vs_torch_memory": ratio(runs, "tensor", "torch", memory_key, 0.25),
+        "tensor_keyed_vs_torch_time": ratio(runs, "tensor-keyed", "torch", time_key, 0.2),
+        "tensor_keyed_vs_torch_memory": ratio(runs, "tensor-keyed", "torch", memory_key, 0.25),
         "multitask_temperature_vs_tensor_time": ratio(
             runs, "multitask-temperature", "tensor", time_key, 1.1
         ),
@@ -368,6 +380,8 @@ def table(r: dict[str, Any]) -> str:
     for label, key in (
         ("TensorDistributedSampler / torch, time", "tensor_vs_torch_time"),
         ("TensorDistributedSampler / torch, peak memory", "tensor_vs_torch_memory"),
+        ("TensorDistributedSampler keyed / torch, time", "tensor_keyed_vs_torch_time"),
+        ("TensorDistributedSampler keyed / torch, peak memory", "tensor_keyed_vs_torch_memory"),
         (
             "multitask temperature / TensorDistributedSampler, time",
             "multitask_temperature_vs_tensor_time",

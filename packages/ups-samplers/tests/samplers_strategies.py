@@ -19,8 +19,9 @@ from ups.samplers import (
 )
 
 Mixing = Literal["balanced", "proportional", "temperature", "weights"]
-Kind = Literal["tensor", "multitask", "exact"]
-KINDS: tuple[Kind, ...] = ("tensor", "multitask", "exact")
+Kind = Literal["tensor", "keyed", "multitask", "exact"]
+KINDS: tuple[Kind, ...] = ("tensor", "keyed", "multitask", "exact")
+"""``keyed``: the tensor sampler with ``permutation="keyed"``."""
 
 
 @attrs.frozen
@@ -160,7 +161,7 @@ def multitask(
 
 @attrs.frozen
 class Setup:
-    """One of the three samplers with its arguments, built for any world and rank."""
+    """One of the samplers with its arguments, built for any world and rank."""
 
     kind: Kind
     case: Case | TaskCase
@@ -186,7 +187,7 @@ class Setup:
         if isinstance(case, TaskCase):
             return multitask(case, rank, num_replicas, chunk_size)
         sampler: TensorDistributedSampler | ExactDistributedSampler
-        if self.kind == "tensor":
+        if self.kind in ("tensor", "keyed"):
             sampler = TensorDistributedSampler(
                 range(case.size),
                 num_replicas=num_replicas,
@@ -195,6 +196,7 @@ class Setup:
                 seed=case.seed,
                 drop_last=case.drop_last,
                 chunk_size=chunk_size,
+                permutation="keyed" if self.kind == "keyed" else "torch",
             )
         else:
             sampler = ExactDistributedSampler(

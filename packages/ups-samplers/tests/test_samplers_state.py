@@ -63,7 +63,7 @@ def take(samplers: list[Sampler], k: int | None = None) -> tuple[list[list[int]]
 def epoch_multiset(setup: Setup) -> Counter[int]:
     """The samples of the epoch on the setup's world, padding left out."""
     case = setup.case
-    if setup.kind == "exact" or (setup.kind == "tensor" and not setup.drop_last):
+    if setup.kind == "exact" or (setup.kind in ("tensor", "keyed") and not setup.drop_last):
         return Counter(range(getattr(case, "size", 0)))
     # drop_last, or the multitask sampler (its epoch is a multiple of the world): no padding.
     world = setup.world_size
@@ -82,7 +82,7 @@ def assert_covers(setup: Setup, seen: Counter[int], worlds: list[int]) -> None:
         assert (epoch - seen).total() <= sum(world - 1 for world in worlds[1:])
     else:
         assert not epoch - seen
-        padded = worlds if setup.kind == "tensor" else worlds[1:]
+        padded = worlds if setup.kind in ("tensor", "keyed") else worlds[1:]
         assert (seen - epoch).total() <= sum(world - 1 for world in padded)
 
 
@@ -228,6 +228,7 @@ def test_a_fresh_sampler_has_an_empty_state() -> None:
         "size": 10,
         "shuffle": True,
         "drop_last": False,
+        "permutation": "torch",
         "epoch": 4,
         "segments": [],
     }

@@ -13,6 +13,7 @@ from samplers_strategies import Case, cases, chunk_sizes
 from torch.utils.data import Dataset, DistributedSampler
 
 from ups.samplers import TensorDistributedSampler
+from ups.samplers._tensor import Permutation
 
 profile = settings(settings.get_profile("ups-samplers"))
 
@@ -22,7 +23,9 @@ def dataset(size: int) -> Dataset[int]:
     return cast("Dataset[int]", range(size))
 
 
-def ours(case: Case, rank: int, chunk_size: int = 8192) -> TensorDistributedSampler:
+def ours(
+    case: Case, rank: int, chunk_size: int = 8192, permutation: Permutation = "torch"
+) -> TensorDistributedSampler:
     sampler = TensorDistributedSampler(
         range(case.size),
         num_replicas=case.world_size,
@@ -31,6 +34,7 @@ def ours(case: Case, rank: int, chunk_size: int = 8192) -> TensorDistributedSamp
         seed=case.seed,
         drop_last=case.drop_last,
         chunk_size=chunk_size,
+        permutation=permutation,
     )
     sampler.set_epoch(case.epoch)
     return sampler
@@ -63,10 +67,16 @@ def test_yields_the_same_indices_as_torchs_sampler(case: Case, chunk_size: int) 
         )
 
 
+both = pytest.mark.parametrize("permutation", ["torch", "keyed"])
+
+
+@both
 @profile
 @given(cases())
-def test_every_rank_has_len_indices(case: Case) -> None:
-    lengths = {len(list(ours(case, rank))) for rank in range(case.world_size)}
+def test_every_rank_has_len_indices(permutation: Permutation, case: Case) -> None:
+    lengths = {
+        len(list(ours(case, rank, permutation=permutation))) for rank in range(case.world_size)
+    }
     assert lengths == {len(ours(case, 0))}
     if case.drop_last:
         assert len(ours(case, 0)) == case.size // case.world_size
@@ -74,10 +84,11 @@ def test_every_rank_has_len_indices(case: Case) -> None:
         assert len(ours(case, 0)) == -(-case.size // case.world_size)
 
 
+@both
 @profile
 @given(cases())
-def test_ranks_partition_the_padded_index_list(case: Case) -> None:
-    shares = [list(ours(case, rank)) for rank in range(case.world_size)]
+def test_ranks_partition_the_padded_index_list(permutation: Permutation, case: Case) -> None:
+    shares = [list(ours(case, rank, permutation=permutation)) for rank in range(case.world_size)]
     # Interleave the shares back into the epoch's index list: rank r holds positions r, r+R, ...
     merged = [i for row in itertools.zip_longest(*shares) for i in row if i is not None]
     assert len(merged) == case.world_size * len(shares[0])
@@ -104,8 +115,11 @@ def test_set_epoch_reshuffles_deterministically(case: Case) -> None:
         assert list(sampler) == first
 
 
-def test_another_epoch_gives_another_order() -> None:
-    sampler = TensorDistributedSampler(range(100), num_replicas=2, rank=1, seed=3)
+@both
+def test_another_epoch_gives_another_order(permutation: Permutation) -> None:
+    sampler = TensorDistributedSampler(
+        range(100), num_replicas=2, rank=1, seed=3, permutation=permutation
+    )
     first = list(sampler)
     sampler.set_epoch(1)
     second = list(sampler)
@@ -169,3 +183,34 @@ def test_a_large_dataset_gives_the_same_indices_as_torchs_sampler() -> None:
     case = Case(size=300_001, world_size=3, seed=123, epoch=2, shuffle=True, drop_last=False)
     for rank in range(case.world_size):
         assert list(ours(case, rank)) == list(torchs(case, rank))
+
+
+# -- permutation="keyed" --------------------------------------------------------------------
+
+
+@profile
+@given(cases(max_size=300))
+def test_keyed_is_deterministic_and_without_shuffle_is_torchs_order(case: Case) -> None:
+    for rank in range(case.world_size):
+        keyed = list(ours(case, rank, permutation="keyed"))
+        assert list(ours(case, rank, permutation="keyed")) == keyed
+        if not case.shuffle:
+            assert keyed == list(torchs(case, rank))
+
+
+def test_keyed_is_another_order_than_torchs_and_another_per_seed() -> None:
+    def share(seed: int, permutation: Permutation) -> list[int]:
+        return list(TensorDistributedSampler(range(100), 2, 0, seed=seed, permutation=permutation))
+
+    assert share(0, "keyed") != share(0, "torch")
+    assert share(0, "keyed") != share(1, "keyed")
+
+
+def test_keyed_indices_are_int32() -> None:
+    sampler = TensorDistributedSampler(range(1000), 4, 2, permutation="keyed")
+    assert sampler.indices().dtype == torch.int32
+
+
+def test_another_permutation_is_a_value_error_naming_it() -> None:
+    with pytest.raises(ValueError, match="permutation: 'fast' is not one of torch, keyed"):
+        TensorDistributedSampler(range(10), 2, 0, permutation="fast")  # type: ignore[arg-type]

@@ -42,12 +42,12 @@ def shuffled(
     drawn for ``(*seed, salt)``; ``salt`` (>= 0) is one int, or one per position (one
     permutation each, as the passes of a stream). int64, of ``where``'s shape.
 
-    :raises ValueError: for a size beyond 2**62.
+    :raises ValueError: for a size below 0 or beyond 2**62.
     """
-    if not 0 < size <= 2**62:
-        raise ValueError(f"size: {size} is not allowed; 1 .. 2**62")
+    if not 0 <= size <= 2**62:
+        raise ValueError(f"size: {size} is not allowed; 0 .. 2**62")
     constants = round_constants(seed)
-    bits = (size - 1).bit_length()
+    bits = max(size - 1, 0).bit_length()
     every_salt = torch.as_tensor(salt, dtype=torch.int64)
     out = torch.empty(len(where), dtype=torch.int64)
     for start in range(0, len(where), CHUNK):  # a chunk's temporaries stay in the cache

@@ -6,20 +6,29 @@ every rank. This one keeps the permutation a tensor (int32 where the dataset all
 this rank's share with a strided slice, and hands indices out lazily, a chunk at a time. It
 draws the permutation exactly as torch does, so for the same arguments it yields the same
 indices in the same order; and it can resume mid-epoch (``state_dict``).
+
+``torch.randperm`` builds the whole permutation, on every rank, whatever its share. With
+``permutation="keyed"`` the epoch's order is instead a keyed permutation that gives any of its
+positions on its own (:func:`~ups.samplers._permute.shuffled`): each rank draws its share and
+nothing else, O(N / W) time and memory, at the price of an order other than torch's.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sized
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
 
 from ups.core import RunContext
 
-from ._epoch import EpochSampler, index_dtype
+from ._epoch import EpochSampler, Lookup, index_dtype
+from ._permute import shuffled
+
+Permutation = Literal["torch", "keyed"]
 
 
 @attrs.frozen(kw_only=True)
@@ -31,6 +40,10 @@ class TensorSamplerOptions:
     drop_last: bool = False
     """Drop the tail that does not divide evenly among the ranks, instead of padding by
     repeating indices from the start."""
+    permutation: Permutation = "torch"
+    """``torch``: torch's very order (``randperm``, the whole dataset on every rank);
+    ``keyed``: another order, of which each rank draws only its share (much faster for large
+    datasets)."""
 
 
 class TensorDistributedSampler(EpochSampler):
@@ -41,13 +54,16 @@ class TensorDistributedSampler(EpochSampler):
     ``len()``, and the same indices: the permutation is ``torch.randperm`` drawn from a
     ``torch.Generator`` seeded with ``seed + epoch``; without ``drop_last`` the index list is
     padded by wrapping around to its start; rank ``r`` takes every ``num_replicas``-th index
-    from position ``r``. Beyond torch's: :meth:`state_dict` and :meth:`load_state_dict`.
+    from position ``r``. Beyond torch's: :meth:`state_dict` and :meth:`load_state_dict`, and
+    ``permutation="keyed"``, a shuffle of which each rank draws only its own share.
 
     :param dataset: anything with a length; only ``len(dataset)`` is used.
     :param num_replicas: the number of ranks; default: the default process group's size.
     :param rank: this rank, ``0 <= rank < num_replicas``; default: the default group's rank.
     :param chunk_size: how many indices iteration converts to Python ints at a time.
-    :raises ValueError: for a rank out of range, or fewer than one replica.
+    :param permutation: ``torch`` (torch's order) or ``keyed`` (drawn per rank, O(N / W)).
+    :raises ValueError: for a rank out of range, fewer than one replica, another
+        permutation.
     """
 
     def __init__(
@@ -60,10 +76,14 @@ class TensorDistributedSampler(EpochSampler):
         drop_last: bool = False,
         *,
         chunk_size: int = 8192,
+        permutation: Permutation = "torch",
     ) -> None:
         super().__init__(num_replicas, rank, seed=seed, drop_last=drop_last, chunk_size=chunk_size)
+        if permutation not in ("torch", "keyed"):
+            raise ValueError(f"permutation: {permutation!r} is not one of torch, keyed")
         self.dataset = dataset
         self.shuffle = shuffle
+        self.permutation = permutation
         size = len(dataset)
         if drop_last and size % self.num_replicas != 0:
             # The largest multiple of num_replicas not above the dataset's size (as torch).
@@ -77,15 +97,34 @@ class TensorDistributedSampler(EpochSampler):
         dtype = index_dtype(size)
         if not self.shuffle:
             return torch.arange(size, dtype=dtype)
+        if self.permutation == "keyed":
+            return self._keyed_at(epoch, slice(None))
         generator = torch.Generator()
         generator.manual_seed(self.seed + epoch)
         return torch.randperm(size, generator=generator, dtype=dtype)
+
+    def _lookup(self, epoch: int, num_replicas: int) -> Lookup:
+        if self.shuffle and self.permutation == "keyed":
+            return functools.partial(self._keyed_at, epoch)
+        return super()._lookup(epoch, num_replicas)
+
+    def _keyed_at(self, epoch: int, where: slice | torch.Tensor) -> torch.Tensor:
+        """Positions ``where`` of the epoch's keyed permutation."""
+        size = len(self.dataset)
+        if isinstance(where, slice):
+            where = torch.arange(*where.indices(size), dtype=torch.int64)
+        return shuffled(where, size, (self.seed,), epoch).to(index_dtype(size))
 
     def _pool_size(self, num_replicas: int) -> int:
         return len(self.dataset)
 
     def _fingerprint(self) -> dict[str, Any]:
-        return {"size": len(self.dataset), "shuffle": self.shuffle, "drop_last": self.drop_last}
+        return {
+            "size": len(self.dataset),
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "permutation": self.permutation,
+        }
 
     def __repr__(self) -> str:
         return (
@@ -106,4 +145,5 @@ def tensor_sampler(
         shuffle=options.shuffle,
         seed=seed,
         drop_last=options.drop_last,
+        permutation=options.permutation,
     )
