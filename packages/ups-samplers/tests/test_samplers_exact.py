@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 from hypothesis import given, settings
-from samplers_strategies import Case, cases, chunk_sizes
+from samplers_strategies import Case, Setup, cases, chunk_sizes
 
 from ups.samplers import ExactDistributedSampler
 
@@ -14,15 +14,8 @@ profile = settings(settings.get_profile("ups-samplers"), max_examples=40)
 
 
 def exact(case: Case, rank: int, chunk_size: int = 8192) -> ExactDistributedSampler:
-    sampler = ExactDistributedSampler(
-        range(case.size),
-        num_replicas=case.world_size,
-        rank=rank,
-        shuffle=case.shuffle,
-        seed=case.seed,
-        chunk_size=chunk_size,
-    )
-    sampler.set_epoch(case.epoch)
+    sampler = Setup("exact", case).build(case.world_size, rank, chunk_size)
+    assert isinstance(sampler, ExactDistributedSampler)
     return sampler
 
 
