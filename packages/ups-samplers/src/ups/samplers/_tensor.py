@@ -25,7 +25,7 @@ import torch
 
 from ups.core import RunContext
 
-from ._epoch import EpochSampler, Lookup, index_dtype
+from ._epoch import EpochSampler, Lookup, index_dtype, positions
 from ._permute import shuffled
 
 Permutation = Literal["torch", "keyed"]
@@ -112,7 +112,7 @@ class TensorDistributedSampler(EpochSampler):
         """Positions ``where`` of the epoch's keyed permutation."""
         size = len(self.dataset)
         if isinstance(where, slice):
-            where = torch.arange(*where.indices(size), dtype=torch.int64)
+            where = positions(*where.indices(size), torch.int64)
         return shuffled(where, size, (self.seed,), epoch).to(index_dtype(size))
 
     def _pool_size(self, num_replicas: int) -> int:
