@@ -180,6 +180,9 @@ class CheckpointChoice(PluginChoice):
     name: str = "simple"
     every_steps: int | None = attrs.field(default=None, validator=at_least(1))
     """Save every this many optimizer steps (and always at the end); ``null``: at the end only."""
+    resume: Literal["none", "latest"] = "none"
+    """``latest``: continue from the newest checkpoint in the run's folder, if there is one,
+    where it stopped (mid-epoch included); ``none``: always start afresh."""
 
 
 @attrs.frozen(kw_only=True)

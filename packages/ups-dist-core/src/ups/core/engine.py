@@ -210,6 +210,11 @@ class Run:
         self._grad_norm = float("nan")
         self._location: str | None = None
         self._saved_at = -1
+        self._epoch_left = 0
+        """Batches of the current epoch not taken yet (saved: where to resume)."""
+        self._resumed: tuple[int | None, torch.Tensor] | None = None
+        """After a resume mid-epoch: the batches left of it to replay up to (``None``: the
+        sampler's state did), and the RNG state to go on with."""
         self.progress = Progress(ctx, None, enabled=False)
 
     def train(self) -> TrainResult:
@@ -226,6 +231,8 @@ class Run:
             batch_size=self.schedule.batch_size,
             accumulation_steps=self.schedule.accumulation_steps,
         )
+        if self.config.checkpoint.resume == "latest":
+            self._resume()
         self.ddp.train()
         self._reported_at = (self.step, time.perf_counter())
         with self.profiler or contextlib.nullcontext(), Progress(ctx, self._total_steps()) as bar:
@@ -264,9 +271,12 @@ class Run:
                 self.sampler.set_epoch(self.epoch)
             self.epoch += 1
             batches, left = iter(self.loader), len(self.loader)
+            if self._resumed is not None:
+                left = self._go_on(batches, left)
+            self._epoch_left = left
             while left and self._more_steps():
                 group = min(self.schedule.accumulation_steps, left)
-                left -= group
+                left = self._epoch_left = left - group
                 norm = self._optimizer_step(batches, group)
                 if norm is None:
                     continue  # every rank skipped the batch
@@ -284,6 +294,56 @@ class Run:
                 every = self.config.checkpoint.every_steps
                 if (every and self.step % every == 0) or (decision and decision.save):
                     self._location, self._saved_at = self._checkpoint(), self.step
+
+    def _resume(self) -> None:
+        """Continue from the newest checkpoint, if any: the model, optimizer, scheduler,
+        scaler, schedule, step and epoch, and mid-epoch where it stopped, the sampler's
+        position (or, for a sampler without a state, the epoch's batches replayed unread up
+        to it) and rank 0's torch RNG state as it was there."""
+        loaded = self.checkpointer.load_latest()
+        if loaded is None:
+            log.info("no checkpoint to resume from: starting afresh")
+            return
+        step, state = loaded
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.schedule.load_state_dict(state["schedule"])
+        load = getattr(self.sampler, "load_state_dict", None) if state["sampler"] else None
+        if load is not None:
+            load(state["sampler"])
+        restored = load is not None
+        self.step, self.epoch, left = state["step"], state["epoch"], state["epoch_left"]
+        if left:  # stopped mid-epoch: the loop enters that epoch again
+            self.epoch -= 1
+            replay: int | None = None if restored else left
+            if replay is not None and state["world_size"] != self.ctx.world_size:
+                log.warning(
+                    "the sampler has no state to deal the rest of the epoch to another number "
+                    "of ranks: the epoch starts over",
+                    saved_world_size=state["world_size"],
+                )
+                replay = None
+            self._resumed = (replay, state["rng"])
+        else:
+            torch.set_rng_state(state["rng"])
+        changed = state["config_digest"] != self.config.digest()
+        log.info("resumed", step=step, epoch=state["epoch"], config_changed=changed)
+
+    def _go_on(self, batches: Iterator[Any], left: int) -> int:
+        """Enter the epoch a resumed run stopped in: the sampler's state went on from where
+        it was; a sampler without one starts the epoch over, so skip the batches taken
+        before (unread). Then the RNG as it was. The batches left."""
+        assert self._resumed is not None
+        (rest, rng), self._resumed = self._resumed, None
+        if rest is not None:
+            for _ in range(left - rest):
+                next(batches)
+            left = rest
+        torch.set_rng_state(rng)
+        return left
 
     def _total_steps(self) -> int:
         """The optimizer steps the run will take, as the config stands (for the progress bar)."""
@@ -565,6 +625,9 @@ class Run:
             "epoch": self.epoch,
             "schedule": self.schedule.state_dict(),
             "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else {},
+            "epoch_left": self._epoch_left,
+            "world_size": self.ctx.world_size,
+            "rng": torch.get_rng_state(),
             "config_digest": self.config.digest(),
         }
         location = self.checkpointer.save(state, step=self.step)

@@ -1,0 +1,107 @@
+"""``checkpoint.resume: latest``: a run stopped and resumed ends where an unstopped one does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ups.core import train
+from ups.core.testing import tiny_project
+
+DROPOUT_MODEL = """
+import torch
+from torch import nn
+
+
+def build_model(width=8):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.Dropout(0.3), nn.Tanh(), nn.Linear(width, 1))
+"""
+
+
+def project(
+    folder: Path, max_steps: int, resume: str, sampler: str = "torch", **training: Any
+) -> Path:
+    """The tiny project with a dropout model (the RNG matters), 64 samples in batches of 4 on
+    2 ranks: 8 steps an epoch (fewer with accumulation), 3 epochs, checkpoints every 3 steps."""
+    config = tiny_project(
+        folder,
+        model={"factory": "drop.py:build_model"},
+        training={"epochs": 3, "batch_size": 4, "max_steps": max_steps, **training},
+        sampler={"name": sampler},
+        checkpoint={"every_steps": 3, "resume": resume, "options": {"keep_last": 5}},
+    )
+    (folder / "drop.py").write_text(DROPOUT_MODEL)
+    return config
+
+
+def final_state(result: Any) -> dict[str, Any]:
+    assert result.checkpoint is not None
+    state: dict[str, Any] = torch.load(result.checkpoint, weights_only=True)
+    return state
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Equal to the bit: tensors by ``torch.equal``, containers element by element."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stop_at", "sampler", "training"),
+    [
+        (5, "torch", {}),  # mid-epoch: torch's sampler has no state, its epoch is replayed
+        (8, "torch", {}),  # at an epoch's end
+        (3, "torch", {"accumulation_steps": 3}),  # mid-way through an epoch's 3 groups
+        (5, "tensor", {}),  # mid-epoch: the sampler's state continues the epoch
+        (2, "tensor", {"accumulation_steps": 2}),
+    ],
+)
+def test_a_stopped_and_resumed_run_ends_bitwise_equal_to_an_unstopped_one(
+    tmp_path: Path, stop_at: int, sampler: str, training: dict[str, Any]
+) -> None:
+    def run(folder: str, steps: int, resume: str) -> Any:
+        return train(project(tmp_path / folder, steps, resume, sampler, **training), nproc=2)
+
+    whole = run("whole", 14, "none")
+    assert run("parts", stop_at, "latest").steps == stop_at
+    rest = run("parts", 14, "latest")
+    assert (rest.steps, rest.epochs) == (whole.steps, whole.epochs)
+    a, b = final_state(whole), final_state(rest)
+    for key in ("model", "optimizer", "step", "epoch", "epoch_left", "rng"):
+        assert_same(a[key], b[key])
+    # The reports after the first one (whose window began at the stop) are the same too.
+    assert rest.losses[1:] == whole.losses[-len(rest.losses) + 1 :]
+
+
+@pytest.mark.slow
+def test_resume_latest_without_a_checkpoint_starts_afresh(tmp_path: Path) -> None:
+    result = train(project(tmp_path, 4, "latest"), nproc=2)
+    assert result.steps == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sampler", "steps"), [("tensor", 5 + 6 + 16 + 16), ("torch", 5 + 3 * 16)])
+def test_resuming_on_another_number_of_ranks_deals_the_rest_of_the_epoch(
+    tmp_path: Path, sampler: str, steps: int
+) -> None:
+    """Stopped at step 5 of 8 on 2 ranks (40 of 64 samples taken), resumed on 1 rank (batches
+    of 4): the tensor sampler deals the 24 left, 6 steps, then 2 epochs of 16; torch's,
+    without a state, starts the epoch over."""
+    assert train(project(tmp_path, 5, "latest", sampler), nproc=2).steps == 5
+    result = train(project(tmp_path, 100, "latest", sampler), nproc=1)
+    assert (result.steps, result.epochs) == (steps, 3)
