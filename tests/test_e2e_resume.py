@@ -23,7 +23,12 @@ def build_model(width=8):
 
 
 def project(
-    folder: Path, max_steps: int, resume: str, sampler: str = "torch", **training: Any
+    folder: Path,
+    max_steps: int,
+    resume: str,
+    sampler: str = "torch",
+    backend: str = "simple",
+    **training: Any,
 ) -> Path:
     """The tiny project with a dropout model (the RNG matters), 64 samples in batches of 4 on
     2 ranks: 8 steps an epoch (fewer with accumulation), 3 epochs, checkpoints every 3 steps."""
@@ -32,15 +37,25 @@ def project(
         model={"factory": "drop.py:build_model"},
         training={"epochs": 3, "batch_size": 4, "max_steps": max_steps, **training},
         sampler={"name": sampler},
-        checkpoint={"every_steps": 3, "resume": resume, "options": {"keep_last": 5}},
+        checkpoint={
+            "name": backend,
+            "every_steps": 3,
+            "resume": resume,
+            "options": {"keep_last": 5},
+        },
     )
     (folder / "drop.py").write_text(DROPOUT_MODEL)
     return config
 
 
 def final_state(result: Any) -> dict[str, Any]:
+    """The state of the run's final checkpoint (a file of ``simple``'s, or the replicated
+    state file of ``local``'s folder)."""
     assert result.checkpoint is not None
-    state: dict[str, Any] = torch.load(result.checkpoint, weights_only=True)
+    path = Path(result.checkpoint)
+    state: dict[str, Any] = torch.load(
+        path / "state.pt" if path.is_dir() else path, weights_only=True
+    )
     return state
 
 
@@ -62,20 +77,26 @@ def assert_same(a: Any, b: Any) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("stop_at", "sampler", "training"),
+    ("stop_at", "sampler", "backend", "training"),
     [
-        (5, "torch", {}),  # mid-epoch: torch's sampler has no state, its epoch is replayed
-        (8, "torch", {}),  # at an epoch's end
-        (3, "torch", {"accumulation_steps": 3}),  # mid-way through an epoch's 3 groups
-        (5, "tensor", {}),  # mid-epoch: the sampler's state continues the epoch
-        (2, "tensor", {"accumulation_steps": 2}),
+        (
+            5,
+            "torch",
+            "simple",
+            {},
+        ),  # mid-epoch: torch's sampler has no state, its epoch is replayed
+        (8, "torch", "simple", {}),  # at an epoch's end
+        (3, "torch", "simple", {"accumulation_steps": 3}),  # mid-way through an epoch's 3 groups
+        (5, "tensor", "simple", {}),  # mid-epoch: the sampler's state continues the epoch
+        (2, "tensor", "local", {"accumulation_steps": 2}),  # ups-ckpt's backend
     ],
 )
 def test_a_stopped_and_resumed_run_ends_bitwise_equal_to_an_unstopped_one(
-    tmp_path: Path, stop_at: int, sampler: str, training: dict[str, Any]
+    tmp_path: Path, stop_at: int, sampler: str, backend: str, training: dict[str, Any]
 ) -> None:
     def run(folder: str, steps: int, resume: str) -> Any:
-        return train(project(tmp_path / folder, steps, resume, sampler, **training), nproc=2)
+        config = project(tmp_path / folder, steps, resume, sampler, backend, **training)
+        return train(config, nproc=2)
 
     whole = run("whole", 14, "none")
     assert run("parts", stop_at, "latest").steps == stop_at
