@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ups.core import RankFailedError, RunContext, all_mean, decide
+from ups.core.errors import UsageError
 from ups.core.simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
 from ups.core.testing import run_ranks
 
@@ -79,8 +80,25 @@ def test_simple_checkpoint_refuses_pickles_that_run_code(tmp_path: Path) -> None
     ckpt = SimpleCheckpointer(
         ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions()
     )
-    with pytest.raises(Exception, match="Weights only load failed"):
+    with pytest.raises(
+        UsageError, match=r"refusing to load .*step-000000001\.pt: it holds objects"
+    ):
         ckpt.load_latest()
+
+
+def test_simple_checkpoint_skips_a_damaged_file_for_the_newest_that_reads(tmp_path: Path) -> None:
+    ckpt = SimpleCheckpointer(
+        ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions(keep_last=3)
+    )
+    for step in (1, 2, 3):
+        ckpt.save({"w": torch.full((2,), float(step))}, step=step)
+    newest = tmp_path / "checkpoints" / "step-000000003.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # cut short, as by a failing disk
+    (tmp_path / "checkpoints" / "step-000000002.pt").write_bytes(b"")  # emptied
+    loaded = ckpt.load_latest()
+    assert loaded is not None
+    step, state = loaded
+    assert (step, state["w"].tolist()) == (1, [1.0, 1.0])
 
 
 def test_no_checkpoint_gives_none(tmp_path: Path) -> None:

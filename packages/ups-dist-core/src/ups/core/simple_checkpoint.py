@@ -3,24 +3,30 @@
 Rank 0 writes the (replicated) state to a temporary file in the same folder, fsyncs it and
 renames it into place, so a file named ``step-*.pt`` is always complete. Saving and loading are
 collectives every rank enters; a failure on rank 0 is raised on every rank. Files load with
-``weights_only=True``. ``ups-ckpt`` provides backends for sharded, remote and async checkpoints.
+``weights_only=True``: one that would run code is refused, naming it; one damaged since (a
+truncated or unreadable file) is skipped with a warning naming it, for the newest that reads. ``ups-ckpt`` provides backends for sharded, remote and async checkpoints.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
+import structlog
 import torch
 
 from .collectives import decide
 from .context import RunContext
+from .errors import UsageError
 from .files import fsync_dir
 from .structure import at_least
+
+log = structlog.get_logger()
 
 
 @attrs.frozen(kw_only=True)
@@ -45,8 +51,12 @@ class SimpleCheckpointer:
         return decide(self.ctx, lambda: self._write(state, path))
 
     def load_latest(self) -> tuple[int, dict[str, Any]] | None:
-        """Load the newest checkpoint rank 0 sees, on every rank, or ``None`` if there is none."""
-        newest = decide(self.ctx, self._newest)
+        """Load the newest checkpoint rank 0 can read, on every rank, or ``None`` if there is
+        none.
+
+        :raises UsageError: (on every rank) naming a checkpoint that would run code to load.
+        """
+        newest = decide(self.ctx, self._newest_readable)
         if newest is None:
             return None
         state = torch.load(newest, map_location="cpu", weights_only=True)
@@ -69,9 +79,22 @@ class SimpleCheckpointer:
             old.unlink()
         return str(path)
 
-    def _newest(self) -> str | None:
-        committed = self._committed()
-        return str(committed[-1]) if committed else None
+    def _newest_readable(self) -> str | None:
+        """The newest checkpoint whose structure loads with ``weights_only=True`` (tensor
+        data memory-mapped, not read); damaged ones are skipped, with a warning."""
+        for path in reversed(self._committed()):
+            try:
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError:
+                raise UsageError(
+                    f"refusing to load {path}: it holds objects that loading would have to run "
+                    "code for (checkpoints load with weights_only=True)"
+                ) from None
+            except Exception as error:
+                log.warning("damaged checkpoint skipped", checkpoint=str(path), error=str(error))
+                continue
+            return str(path)
+        return None
 
     def _committed(self) -> list[Path]:
         return sorted(self.folder.glob("step-*.pt"))
