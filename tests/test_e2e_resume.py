@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from ups.core import train
-from ups.core.testing import tiny_project
+from ups.core import ConfigError, train
+from ups.core.testing import run_ups, tiny_project
 
 DROPOUT_MODEL = """
 import torch
@@ -126,3 +126,47 @@ def test_resuming_on_another_number_of_ranks_deals_the_rest_of_the_epoch(
     assert train(project(tmp_path, 5, "latest", sampler), nproc=2).steps == 5
     result = train(project(tmp_path, 100, "latest", sampler), nproc=1)
     assert (result.steps, result.epochs) == (steps, 3)
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_seed_is_refused_unless_allowed(tmp_path: Path) -> None:
+    config = project(tmp_path, 4, "latest")
+    assert run_ups("train", str(config)).returncode == 0
+    refused = run_ups("train", str(config), "-o", "run.seed=7", "-o", "training.max_steps=6")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "ups: error: checkpoint.resume: the checkpoint of step 4 was saved with seed 0, this "
+        "run has 7; start afresh (checkpoint.resume: none), or accept it with "
+        "--allow-changed seed"
+    )
+    allowed = run_ups(
+        "train",
+        str(config),
+        "-o",
+        "run.seed=7",
+        "-o",
+        "training.max_steps=6",
+        "--allow-changed",
+        "seed",
+    )
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert '"event": "resumed"' in allowed.stderr
+
+
+@pytest.mark.slow
+def test_on_two_ranks_a_refused_resume_is_a_usage_error_too(tmp_path: Path) -> None:
+    config = project(tmp_path, 4, "latest")
+    assert run_ups("train", str(config), "--nproc", "2").returncode == 0
+    refused = run_ups("train", str(config), "--nproc", "2", "-o", "training.accumulation_steps=2")
+    assert refused.returncode == 2
+    assert (
+        "ups: rank 0 failed: ConfigError: checkpoint.resume: the checkpoint of step 4 was saved "
+        "with accumulation_steps 1, this run has 2;" in refused.stderr
+    )
+
+
+@pytest.mark.slow
+def test_a_resume_on_other_data_is_refused(tmp_path: Path) -> None:
+    assert train(project(tmp_path, 4, "latest"), nproc=1).steps == 4
+    with pytest.raises(ConfigError, match=r"saved with dataset \[64\], this run has \[60\]"):
+        train(project(tmp_path, 6, "latest"), nproc=1, overrides=["data.options.n=60"])

@@ -44,6 +44,14 @@ def _parser() -> argparse.ArgumentParser:
         help="trace STEPS steps after warm-up with torch.profiler, per rank, and measure the "
         "communication profile (into RUN_DIR/profile)",
     )
+    train.add_argument(
+        "--allow-changed",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="resume although KEY changed since the checkpoint: seed, accumulation_steps or "
+        "dataset (repeatable; checkpoint.allow_changed)",
+    )
     _overrides(train)
 
     tune = commands.add_parser(
@@ -106,7 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}",
                 file=sys.stderr,
             )
-        return EXIT_FAILED
+        # Every rank refused bad input (a usage error, exit 2 in the rank): so does ups.
+        usage = all(f.exitcode == EXIT_USAGE for f in error.failures.values())
+        return EXIT_USAGE if usage else EXIT_FAILED
     except KeyboardInterrupt:
         return 130
 
@@ -114,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args: argparse.Namespace) -> int:
     if args.profile is not None:
         args.override.append(f"run.profile_steps={args.profile}")
+    if args.allow_changed:
+        args.override.append(f"checkpoint.allow_changed=[{', '.join(args.allow_changed)}]")
     config = load_config(args.config, args.override)
     nproc = args.nproc or config.distributed.nproc
     if not launched():

@@ -183,6 +183,10 @@ class CheckpointChoice(PluginChoice):
     resume: Literal["none", "latest"] = "none"
     """``latest``: continue from the newest checkpoint in the run's folder, if there is one,
     where it stopped (mid-epoch included); ``none``: always start afresh."""
+    allow_changed: tuple[Literal["seed", "accumulation_steps", "dataset"], ...] = ()
+    """What may differ from the run a resume continues: ``seed``, ``accumulation_steps``
+    (the configured one), ``dataset`` (its size, and its tasks' sizes); anything else listed
+    here that changed refuses the resume (``ups train --allow-changed KEY``)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -305,6 +305,7 @@ class Run:
             log.info("no checkpoint to resume from: starting afresh")
             return
         step, state = loaded
+        self._check_identity(step, state.get("identity", {}))
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
@@ -331,6 +332,30 @@ class Run:
             torch.set_rng_state(state["rng"])
         changed = state["config_digest"] != self.config.digest()
         log.info("resumed", step=step, epoch=state["epoch"], config_changed=changed)
+
+    def _identity(self) -> dict[str, Any]:
+        """What a resume must find unchanged, unless ``checkpoint.allow_changed`` says."""
+        parts = getattr(self.dataset, "datasets", None)
+        return {
+            "seed": self.config.run.seed,
+            "accumulation_steps": self.config.training.accumulation_steps,
+            "dataset": [len(part) for part in parts] if parts else [len(self.dataset)],
+        }
+
+    def _check_identity(self, step: int, saved: dict[str, Any]) -> None:
+        """Refuse to continue a run whose seed, accumulation or data changed, unless allowed.
+
+        :raises ConfigError: on every rank (each reads the same checkpoint), naming the key.
+        """
+        allowed = self.config.checkpoint.allow_changed
+        for key, value in self._identity().items():
+            if key in saved and saved[key] != value and key not in allowed:
+                raise ConfigError(
+                    "checkpoint.resume",
+                    f"the checkpoint of step {step} was saved with {key} {saved[key]!r}, this "
+                    f"run has {value!r}; start afresh (checkpoint.resume: none), or accept it "
+                    f"with --allow-changed {key}",
+                )
 
     def _go_on(self, batches: Iterator[Any], left: int) -> int:
         """Enter the epoch a resumed run stopped in: the sampler's state went on from where
@@ -627,6 +652,7 @@ class Run:
             "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else {},
             "epoch_left": self._epoch_left,
             "world_size": self.ctx.world_size,
+            "identity": self._identity(),
             "rng": torch.get_rng_state(),
             "config_digest": self.config.digest(),
         }
