@@ -158,7 +158,7 @@ def test_on_two_ranks_a_refused_resume_is_a_usage_error_too(tmp_path: Path) -> N
     config = project(tmp_path, 4, "latest")
     assert run_ups("train", str(config), "--nproc", "2").returncode == 0
     refused = run_ups("train", str(config), "--nproc", "2", "-o", "training.accumulation_steps=2")
-    assert refused.returncode == 2
+    assert refused.returncode == 2, refused.stderr[-3000:]
     assert (
         "ups: rank 0 failed: ConfigError: checkpoint.resume: the checkpoint of step 4 was saved "
         "with accumulation_steps 1, this run has 2;" in refused.stderr

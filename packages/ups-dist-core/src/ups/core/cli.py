@@ -114,8 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}",
                 file=sys.stderr,
             )
-        # Every rank refused bad input (a usage error, exit 2 in the rank): so does ups.
-        usage = all(f.exitcode == EXIT_USAGE for f in error.failures.values())
+        # Ranks refused bad input (a usage error: exit 2 in the rank), and any other rank was
+        # stopped by a signal (the launcher ending the job): so does ups.
+        codes = [failure.exitcode for failure in error.failures.values()]
+        usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
         return EXIT_USAGE if usage else EXIT_FAILED
     except KeyboardInterrupt:
         return 130
