@@ -4,7 +4,8 @@ Rank 0 writes the (replicated) state to a temporary file in the same folder, fsy
 renames it into place, so a file named ``step-*.pt`` is always complete. Saving and loading are
 collectives every rank enters; a failure on rank 0 is raised on every rank. Files load with
 ``weights_only=True``: one that would run code is refused, naming it; one damaged since (a
-truncated or unreadable file) is skipped with a warning naming it, for the newest that reads. ``ups-ckpt`` provides backends for sharded, remote and async checkpoints.
+truncated or unreadable file) is skipped with a warning naming it, for the newest that reads.
+``ups-ckpt`` provides backends for sharded, remote and async checkpoints.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from torch.utils.data import Sampler
 
 INT32_MAX = torch.iinfo(torch.int32).max
 
-Lookup = Callable[[slice | torch.Tensor], torch.Tensor]
-"""A pool's samples at some positions: a slice (``start:stop:step``) or a tensor of them."""
+Lookup = Callable[[slice], torch.Tensor]
+"""A pool's samples at the positions of a slice (``start:stop:step``)."""
 
 Segment = tuple[int, int]
 """``(world size, samples each rank has taken)``: a stretch of an epoch on one world size."""
@@ -147,9 +147,10 @@ class EpochSampler(Sampler[int]):
             return mine
         # Padding: positions size..total-1 wrap around to the pool's start. They are fewer
         # than num_replicas, so this rank gets at most one.
-        first = size + (rank - size) % num_replicas
-        wrapped = positions(first, total, num_replicas, torch.int64) % size
-        return torch.cat((mine, at(wrapped)))
+        padding = size + (rank - size) % num_replicas
+        if padding >= total:
+            return mine
+        return torch.cat((mine, at(slice(padding % size, padding % size + 1))))
 
     def _remaining(self, pool: torch.Tensor, num_replicas: int, taken: int) -> torch.Tensor:
         """The samples of ``pool`` that no rank has taken after ``taken`` each (padding left

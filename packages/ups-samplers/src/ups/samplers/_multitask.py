@@ -199,15 +199,12 @@ class MultiTaskDistributedSampler(EpochSampler):
     def _lookup(self, epoch: int, num_replicas: int) -> Lookup:
         return functools.partial(self._pool_at, epoch, num_replicas)
 
-    def _pool_at(self, epoch: int, num_replicas: int, where: slice | torch.Tensor) -> torch.Tensor:
+    def _pool_at(self, epoch: int, num_replicas: int, where: slice) -> torch.Tensor:
         """The epoch's samples at positions ``where`` of its task-by-task list: task ``t``'s
         part holds positions ``epoch·c .. (epoch + 1)·c - 1`` of its stream of passes, each
         pass a permutation drawn for (seed, task, pass) that gives any position on its own
         (:func:`shuffled`), so a rank draws its share and nothing else."""
         counts = self.counts(num_replicas)
-        if isinstance(where, torch.Tensor):  # a few positions (padding): one at a time
-            parts = [self._pool_at(epoch, num_replicas, slice(p, p + 1)) for p in where.tolist()]
-            return torch.cat(parts) if parts else torch.empty(0, dtype=self._dtype)
         start, stop, step = where.indices(sum(counts))
         parts = []
         for t, (end, count) in enumerate(zip(itertools.accumulate(counts), counts, strict=True)):

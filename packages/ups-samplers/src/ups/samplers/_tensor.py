@@ -108,12 +108,11 @@ class TensorDistributedSampler(EpochSampler):
             return functools.partial(self._keyed_at, epoch)
         return super()._lookup(epoch, num_replicas)
 
-    def _keyed_at(self, epoch: int, where: slice | torch.Tensor) -> torch.Tensor:
-        """Positions ``where`` of the epoch's keyed permutation."""
+    def _keyed_at(self, epoch: int, where: slice) -> torch.Tensor:
+        """The positions of ``where`` of the epoch's keyed permutation."""
         size = len(self.dataset)
-        if isinstance(where, slice):
-            where = positions(*where.indices(size), torch.int64)
-        return shuffled(where, size, (self.seed,), epoch).to(index_dtype(size))
+        drawn = positions(*where.indices(size), torch.int64)
+        return shuffled(drawn, size, (self.seed,), epoch).to(index_dtype(size))
 
     def _pool_size(self, num_replicas: int) -> int:
         return len(self.dataset)
