@@ -45,23 +45,37 @@ def test_all_mean() -> None:
     assert run_ranks(mean_of_ranks, 2) == [[0.5, 10.0], [0.5, 10.0]]
 
 
-def save_and_load(ctx: RunContext, folder: str) -> tuple[str, int, list[float]]:
+def save_and_load(ctx: RunContext, folder: str) -> tuple[str, int, list[float], object]:
     ckpt = SimpleCheckpointer(
         ctx=ctx, directory=Path(folder), options=SimpleCheckpointOptions(keep_last=2)
     )
     for step in (1, 2, 3):
-        location = ckpt.save({"w": torch.full((2,), float(step)), "rank": ctx.rank}, step=step)
+        state = {"w": torch.full((2,), float(step)), "rank": ctx.rank}
+        location = ckpt.save(state, step=step, rank_state={"mine": ctx.rank * 10 + step})
+    ckpt.wait()
     loaded = ckpt.load_latest()
     assert loaded is not None
-    step, state = loaded
-    assert state["rank"] == 0  # rank 0's state is the one kept
-    return location, step, state["w"].tolist()
+    assert loaded.state["rank"] == 0  # rank 0's state is the one kept
+    assert loaded.location == location
+    return location, loaded.step, loaded.state["w"].tolist(), loaded.rank_state
+
+
+def load_rank_state(ctx: RunContext, folder: str) -> object:
+    ckpt = SimpleCheckpointer(ctx=ctx, directory=Path(folder), options=SimpleCheckpointOptions())
+    loaded = ckpt.load_latest()
+    assert loaded is not None
+    return loaded.rank_state
 
 
 def test_simple_checkpoint_round_trip_and_retention(tmp_path: Path) -> None:
     results = run_ranks(save_and_load, 2, str(tmp_path))
     expected = str(tmp_path / "checkpoints" / "step-000000003.pt")
-    assert results == [(expected, 3, [3.0, 3.0])] * 2
+    assert results == [
+        (expected, 3, [3.0, 3.0], {"mine": 3}),
+        (expected, 3, [3.0, 3.0], {"mine": 13}),
+    ]
+    # Another number of ranks has no state of its own in the checkpoint.
+    assert run_ranks(load_rank_state, 1, str(tmp_path)) == [None]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step-000000002.pt",
         "step-000000003.pt",
@@ -91,14 +105,13 @@ def test_simple_checkpoint_skips_a_damaged_file_for_the_newest_that_reads(tmp_pa
         ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions(keep_last=3)
     )
     for step in (1, 2, 3):
-        ckpt.save({"w": torch.full((2,), float(step))}, step=step)
+        ckpt.save({"w": torch.full((2,), float(step))}, step=step, rank_state={})
     newest = tmp_path / "checkpoints" / "step-000000003.pt"
     newest.write_bytes(newest.read_bytes()[:100])  # cut short, as by a failing disk
     (tmp_path / "checkpoints" / "step-000000002.pt").write_bytes(b"")  # emptied
     loaded = ckpt.load_latest()
     assert loaded is not None
-    step, state = loaded
-    assert (step, state["w"].tolist()) == (1, [1.0, 1.0])
+    assert (loaded.step, loaded.state["w"].tolist()) == (1, [1.0, 1.0])
 
 
 def test_no_checkpoint_gives_none(tmp_path: Path) -> None:

@@ -1,30 +1,28 @@
 """ups-ckpt: checkpoint backends for ups.
 
 ``local`` keeps each checkpoint as a folder of files written by every rank and committed
-atomically (a ``COMMIT`` manifest, a rename, a ``latest`` pointer); see :mod:`ups.ckpt.local`.
-Select it in the config with ``checkpoint: {name: local, options: {keep_last: 3}}``.
+atomically (a ``COMMIT`` manifest with each file's size and CRC-32, a rename, a ``latest``
+pointer); see :mod:`ups.ckpt.local`. Select it in the config with
+``checkpoint: {name: local, options: {keep_last: 3}}``; ``async_save: true`` writes in the
+background (:mod:`ups.ckpt.background`).
 """
 
-from .local import (
-    RNG_KEY,
-    CheckpointError,
-    Committed,
-    LocalCheckpointer,
-    LocalCheckpointOptions,
-    Manifest,
-    UnsafeCheckpointError,
-    expired,
-    restore_rng,
-)
+from .background import InBackground, stage
+from .errors import CheckpointError, UnsafeCheckpointError
+from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
+from .manifest import Manifest
+from .retention import expired
+from .serialize import FileRecord
 
 __all__ = [
-    "RNG_KEY",
     "CheckpointError",
     "Committed",
+    "FileRecord",
+    "InBackground",
     "LocalCheckpointOptions",
     "LocalCheckpointer",
     "Manifest",
     "UnsafeCheckpointError",
     "expired",
-    "restore_rng",
+    "stage",
 ]

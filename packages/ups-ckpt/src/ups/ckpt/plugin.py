@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
-from ups.core import CheckpointBackendPlugin, hookimpl
+from pathlib import Path
 
+from ups.core import CheckpointBackendPlugin, Checkpointer, RunContext, hookimpl
+
+from .background import InBackground
 from .local import LocalCheckpointer, LocalCheckpointOptions
+
+
+def local_backend(
+    *, ctx: RunContext, directory: Path, options: LocalCheckpointOptions
+) -> Checkpointer:
+    """The ``local`` backend, writing in the background when ``options.async_save``."""
+    if not options.async_save:
+        return LocalCheckpointer(ctx=ctx, directory=directory, options=options)
+    return InBackground(
+        ctx=ctx,
+        build=lambda group: LocalCheckpointer(
+            ctx=ctx, directory=directory, options=options, group=group
+        ),
+    )
 
 
 @hookimpl
@@ -12,7 +29,7 @@ def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
     return [
         CheckpointBackendPlugin(
             name="local",
-            factory=LocalCheckpointer,
+            factory=local_backend,
             options=LocalCheckpointOptions,
             description="a folder per checkpoint, per-rank files, committed atomically",
         )

@@ -15,6 +15,7 @@ from .records import (
     Launcher,
     LauncherPlugin,
     LaunchRequest,
+    Loaded,
     NoOptions,
     SamplerPlugin,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "LaunchRequest",
     "Launcher",
     "LauncherPlugin",
+    "Loaded",
     "NoOptions",
     "RankFailedError",
     "Registry",

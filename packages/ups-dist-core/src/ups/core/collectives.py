@@ -24,11 +24,14 @@ class RankFailedError(RuntimeError):
     """Raised on every rank when the rank that decided failed to; names that rank."""
 
 
-def decide(ctx: RunContext, decision: Callable[[], T]) -> T:
+def decide(
+    ctx: RunContext, decision: Callable[[], T], *, group: dist.ProcessGroup | None = None
+) -> T:
     """Run ``decision`` on rank 0 and return its (picklable) result on every rank.
 
     If it raises on rank 0, every rank raises :class:`RankFailedError` with rank 0's message,
-    so no rank is left waiting in a later collective. Every rank must call this.
+    so no rank is left waiting in a later collective. Every rank must call this. ``group``:
+    the process group to talk over (every rank of the job is in it); ``None``: the default.
     """
     if not ctx.distributed:
         return decision()
@@ -38,7 +41,7 @@ def decide(ctx: RunContext, decision: Callable[[], T]) -> T:
             payload[0] = ("ok", decision())
         except Exception as error:
             payload[0] = ("error", f"{type(error).__name__}: {error}")
-    dist.broadcast_object_list(payload, src=0, device=_object_device(ctx))
+    dist.broadcast_object_list(payload, src=0, group=group, device=_object_device(ctx, group))
     status, value = typing.cast(tuple[str, Any], payload[0])
     if status == "error":
         raise RankFailedError(f"rank 0 failed: {value}")
@@ -64,7 +67,9 @@ class Failure:
         return f"rank {self.rank}: {self.kind}: {self.message}"
 
 
-def gather_failures(ctx: RunContext, error: BaseException | None) -> list[Failure]:
+def gather_failures(
+    ctx: RunContext, error: BaseException | None, *, group: dist.ProcessGroup | None = None
+) -> list[Failure]:
     """Tell every rank which ranks failed a step: each passes its exception, or ``None``.
 
     Returns the same list on every rank (empty when none failed), so every rank can raise, or
@@ -74,12 +79,13 @@ def gather_failures(ctx: RunContext, error: BaseException | None) -> list[Failur
     mine = None if error is None else (type(error).__name__, str(error))
     gathered: list[tuple[str, str] | None] = [mine]
     if ctx.distributed:
-        failed = torch.tensor([mine is not None], dtype=torch.int32, device=ctx.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        device = _object_device(ctx, group) or torch.device("cpu")
+        failed = torch.tensor([mine is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
         if not failed.item():
             return []
         gathered = [None] * ctx.world_size
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=group)
     return [Failure(rank, *failure) for rank, failure in enumerate(gathered) if failure is not None]
 
 
@@ -92,5 +98,7 @@ def all_mean(ctx: RunContext, values: torch.Tensor) -> torch.Tensor:
     return total / ctx.world_size
 
 
-def _object_device(ctx: RunContext) -> torch.device | None:
-    return ctx.device if ctx.backend == "nccl" else None
+def _object_device(ctx: RunContext, group: dist.ProcessGroup | None) -> torch.device | None:
+    """The device collectives over ``group`` move tensors through: the rank's own under NCCL
+    (the default group's backend), the CPU (``None``) under gloo or for another group."""
+    return ctx.device if ctx.backend == "nccl" and group is None else None

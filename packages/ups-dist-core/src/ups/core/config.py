@@ -187,6 +187,12 @@ class CheckpointChoice(PluginChoice):
     """What may differ from the run a resume continues: ``seed``, ``accumulation_steps``
     (the configured one), ``dataset`` (its size, and its tasks' sizes); anything else listed
     here that changed refuses the resume (``ups train --allow-changed KEY``)."""
+    preempt_signals: tuple[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"], ...] = (
+        "SIGTERM",
+        "SIGUSR1",
+    )
+    """Signals that make every rank save at the next step boundary and stop cleanly (exit
+    status 0), to resume later; ``[]``: none (a signal then acts as it would without ups)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -47,6 +47,9 @@ class RunContext:
     """Index of this machine in the job."""
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
     """The device this rank computes on."""
+    timeout_s: float = 300.0
+    """The time any collective may take before it fails (``distributed.timeout_s``); a process
+    group a plugin makes of its own should use it too."""
     backend: str | None = None
     """The process group's backend (``gloo``/``nccl``), or ``None`` when not distributed."""
     launcher: Launcher = "single"
@@ -208,6 +211,7 @@ def distributed_session(
         device=_device_for(chosen, place.local_rank),
         backend=chosen,
         launcher=place.launcher,
+        timeout_s=timeout_s,
     )
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import importlib.metadata
 import inspect
 import itertools
 import json
 import math
+import signal
 import time
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +31,7 @@ from torch.utils.data import DataLoader, default_collate
 from .collectives import Failure, RankFailedError, gather_failures
 from .config import Config, FactoryConfig
 from .context import RunContext
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .evaluation import evaluate
 from .faults import FaultInjector
 from .imports import load_object
@@ -36,9 +39,11 @@ from .logs import rank_log_file
 from .metrics import LossWindow, PendingReport, per_sample_losses
 from .optim import build_optimizer, build_scheduler
 from .plugins import Registry
+from .preemption import Preemption
 from .profiling import StepProfiler, comm_profile, model_counts, throughput
 from .progress import Progress
-from .records import Checkpointer
+from .records import Checkpointer, Loaded
+from .rng import rng_state, set_rng_state
 from .rundir import RunFiles
 from .schedule import Schedule, apply_lr_multiplier
 from .user_metrics import PendingMetrics, UserMetrics
@@ -66,6 +71,8 @@ class TrainResult:
     """The training loss at each report, averaged over the interval and over all ranks."""
     checkpoint: str | None
     """Where the final checkpoint went."""
+    preempted: bool = False
+    """Whether a signal stopped the run early (saved where it stopped, to resume)."""
     metrics: tuple[dict[str, float], ...] = ()
     """Every report's metrics (``loss``, ``loss/<task>``, ``grad_norm``, ``lr``,
     ``samples_per_s``, ``oom_skipped``, user metrics, ...)."""
@@ -161,13 +168,15 @@ class Run:
             shards = plugin.factory(eval_set, ctx=ctx, seed=config.run.seed, options=options)
             batch_size = config.eval.batch_size or t.batch_size
             self.eval_loader = DataLoader(eval_set, batch_size=batch_size, sampler=shards)
+        self.comm_state: object | None = None
+        """What the comm hook keeps between steps (saved per rank if it has a state_dict)."""
         module = torch.compile(self.model) if t.compile else self.model
         self.ddp = wrap(module, ctx, config)  # type: ignore[arg-type]
         if isinstance(self.ddp, DistributedDataParallel):
             comm_plugin, comm_options = registry.select(
                 "comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook"
             )
-            comm_plugin.factory(self.ddp, ctx=ctx, options=comm_options)
+            self.comm_state = comm_plugin.factory(self.ddp, ctx=ctx, options=comm_options)
         ckpt_plugin, ckpt_options = registry.select(
             "checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint"
         )
@@ -212,9 +221,11 @@ class Run:
         self._saved_at = -1
         self._epoch_left = 0
         """Batches of the current epoch not taken yet (saved: where to resume)."""
-        self._resumed: tuple[int | None, torch.Tensor] | None = None
+        self._resumed: tuple[int | None, dict[str, Any]] | None = None
         """After a resume mid-epoch: the batches left of it to replay up to (``None``: the
-        sampler's state did), and the RNG state to go on with."""
+        sampler's state did), and the RNG states to go on with."""
+        signals = (signal.Signals[name] for name in config.checkpoint.preempt_signals)
+        self.preemption = Preemption(ctx, signals)
         self.progress = Progress(ctx, None, enabled=False)
 
     def train(self) -> TrainResult:
@@ -235,16 +246,22 @@ class Run:
             self._resume()
         self.ddp.train()
         self._reported_at = (self.step, time.perf_counter())
-        with self.profiler or contextlib.nullcontext(), Progress(ctx, self._total_steps()) as bar:
+        with (
+            self.profiler or contextlib.nullcontext(),
+            Progress(ctx, self._total_steps()) as bar,
+            self.preemption,
+        ):
             self.progress = bar
             self._loop()
+        preempted = self.preemption.stopped
         if self.step % self.config.run.log_every:
             self._start_report(self._grad_norm)
         self._finish_report()
-        if self.eval_loader is not None and self.evaluated_at != self.step:
+        if self.eval_loader is not None and self.evaluated_at != self.step and not preempted:
             self._evaluate()
         if self._saved_at != self.step:
             self._location = self._checkpoint()
+        self.checkpointer.wait()
         losses = tuple(r["loss"] for r in self.reports)
         log.info(
             "done",
@@ -259,6 +276,7 @@ class Run:
             checkpoint=self._location,
             metrics=tuple(self.reports),
             eval_metrics=tuple(self.eval_reports),
+            preempted=preempted,
         )
 
     def _loop(self) -> None:
@@ -294,18 +312,21 @@ class Run:
                 every = self.config.checkpoint.every_steps
                 if (every and self.step % every == 0) or (decision and decision.save):
                     self._location, self._saved_at = self._checkpoint(), self.step
+                if self.preemption.agreed():
+                    log.warning("preempted: saving and stopping", step=self.step)
+                    return
 
     def _resume(self) -> None:
         """Continue from the newest checkpoint, if any: the model, optimizer, scheduler,
-        scaler, schedule, step and epoch, and mid-epoch where it stopped, the sampler's
-        position (or, for a sampler without a state, the epoch's batches replayed unread up
-        to it) and rank 0's torch RNG state as it was there."""
+        scaler, schedule, step and epoch, the comm hook's and plugins' states, and mid-epoch
+        where it stopped, the sampler's position (or, for a sampler without a state, the
+        epoch's batches replayed unread up to it); then every generator as it was."""
         loaded = self.checkpointer.load_latest()
         if loaded is None:
             log.info("no checkpoint to resume from: starting afresh")
             return
-        step, state = loaded
-        self._check_identity(step, state.get("identity", {}))
+        state = loaded.state
+        self._check_identity(loaded.step, state.get("identity", {}))
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
@@ -315,11 +336,12 @@ class Run:
         load = getattr(self.sampler, "load_state_dict", None) if state["sampler"] else None
         if load is not None:
             load(state["sampler"])
-        restored = load is not None
+        own = self._restore_own(loaded)
         self.step, self.epoch, left = state["step"], state["epoch"], state["epoch_left"]
+        rng = own["rng"] if own is not None else state["rng"]
         if left:  # stopped mid-epoch: the loop enters that epoch again
             self.epoch -= 1
-            replay: int | None = None if restored else left
+            replay: int | None = None if load is not None else left
             if replay is not None and state["world_size"] != self.ctx.world_size:
                 log.warning(
                     "the sampler has no state to deal the rest of the epoch to another number "
@@ -327,11 +349,28 @@ class Run:
                     saved_world_size=state["world_size"],
                 )
                 replay = None
-            self._resumed = (replay, state["rng"])
+            self._resumed = (replay, rng)
         else:
-            torch.set_rng_state(state["rng"])
+            set_rng_state(rng, self.ctx.device)
         changed = state["config_digest"] != self.config.digest()
-        log.info("resumed", step=step, epoch=state["epoch"], config_changed=changed)
+        log.info("resumed", step=loaded.step, epoch=state["epoch"], config_changed=changed)
+
+    def _restore_own(self, loaded: Loaded) -> dict[str, Any] | None:
+        """Restore the comm hook's state (this rank's) and the plugins' states (this rank's,
+        else rank 0's); this rank's saved state, if the checkpoint has one."""
+        own = loaded.rank_state
+        if own is None and self.ctx.is_main:
+            log.warning(
+                "checkpoint saved by another number of ranks: each rank's generators start "
+                "from rank 0's and the comm hook's state starts afresh",
+                saved_world_size=loaded.state["world_size"],
+            )
+        load = getattr(self.comm_state, "load_state_dict", None)
+        if own is not None and load is not None and "comm_hook" in own:
+            load(own["comm_hook"])
+        plugins = own["plugins"] if own is not None else loaded.state["plugins"]
+        self.hook.ups_checkpoint_restore(ctx=self.ctx, state=plugins)
+        return own
 
     def _identity(self) -> dict[str, Any]:
         """What a resume must find unchanged, unless ``checkpoint.allow_changed`` says."""
@@ -367,7 +406,7 @@ class Run:
             for _ in range(left - rest):
                 next(batches)
             left = rest
-        torch.set_rng_state(rng)
+        set_rng_state(rng, self.ctx.device)
         return left
 
     def _total_steps(self) -> int:
@@ -641,6 +680,12 @@ class Run:
         self.reports.append(metrics)
 
     def _checkpoint(self) -> str:
+        """Save the training state: replicated (rank 0's is kept), and each rank's own
+        (its generators, the comm hook's state, the plugins' states)."""
+        own: dict[str, Any] = {"rng": rng_state(self.ctx.device), "plugins": self._plugin_states()}
+        state_dict = getattr(self.comm_state, "state_dict", None)
+        if state_dict is not None:
+            own["comm_hook"] = state_dict()
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -653,13 +698,25 @@ class Run:
             "epoch_left": self._epoch_left,
             "world_size": self.ctx.world_size,
             "identity": self._identity(),
-            "rng": torch.get_rng_state(),
+            "rng": own["rng"],
+            "plugins": own["plugins"],
             "config_digest": self.config.digest(),
+            "versions": dict(_versions()),
         }
-        location = self.checkpointer.save(state, step=self.step)
+        location = self.checkpointer.save(state, step=self.step, rank_state=own)
         self.hook.ups_checkpoint_saved(ctx=self.ctx, step=self.step, location=location)
         log.info("checkpoint saved", step=self.step, location=location)
         return location
+
+    def _plugin_states(self) -> dict[str, Any]:
+        """Every plugin's :func:`~ups.core.hookspecs.ups_checkpoint_state`, by key."""
+        states: dict[str, Any] = {}
+        for returned in self.hook.ups_checkpoint_state(ctx=self.ctx):
+            for key, value in (returned or {}).items():
+                if key in states:
+                    raise UsageError(f"two plugins save checkpoint state under the key {key!r}")
+                states[key] = value
+        return states
 
 
 @attrs.frozen(kw_only=True)
@@ -679,3 +736,14 @@ class _Report:
 
 def _round(value: float) -> float:
     return round(value, 6) if isinstance(value, float) else value
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    """The versions of torch and of the ups distributions installed, as checkpoints record."""
+    found = {"torch": str(torch.__version__)}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"] or ""
+        if name.startswith("ups-"):
+            found[name] = dist.version
+    return found

@@ -16,7 +16,7 @@ Training lifecycle (callbacks, loggers)
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .markers import hookspec
 
@@ -109,6 +109,30 @@ def ups_checkpoint_saved(ctx: RunContext, step: int, location: str) -> None:
     :param ctx: this rank's run context.
     :param step: the optimizer step the checkpoint holds.
     :param location: where the checkpoint backend put it (a path or URL).
+    """
+
+
+@hookspec
+def ups_checkpoint_state(ctx: RunContext) -> Mapping[str, Any] | None:
+    """Add this plugin's own state to the checkpoint being saved (a collective save: called on
+    every rank, before the engine hands the state to the backend).
+
+    :param ctx: this rank's run context.
+    :returns: ``{key: state}``, a key of the plugin's own (a key two plugins return is an
+        error naming it), or ``None``. Plain data only: tensors, numbers, strings, and lists,
+        tuples and dicts of them, as ``torch.load(weights_only=True)`` reads back.
+    """
+
+
+@hookspec
+def ups_checkpoint_restore(ctx: RunContext, state: Mapping[str, Any]) -> None:
+    """A run is resuming: restore this plugin's state from what :func:`ups_checkpoint_state`
+    returned when the checkpoint was saved.
+
+    :param ctx: this rank's run context.
+    :param state: every plugin's saved state by key: what this rank saved, or rank 0's when
+        the checkpoint was saved by another number of ranks. A key may be missing (the plugin
+        was not installed then).
     """
 
 

@@ -94,15 +94,40 @@ class CommHookPlugin(PluginRecord):
 # Checkpoint backends
 
 
-class Checkpointer(Protocol):
-    """Saves and loads training state. Both methods are collectives: every rank calls them."""
+@attrs.frozen(kw_only=True)
+class Loaded:
+    """A checkpoint as :meth:`Checkpointer.load_latest` hands it to one rank."""
 
-    def save(self, state: Mapping[str, Any], *, step: int) -> str:
-        """Save ``state`` (rank 0's is kept for replicated entries); return where it went."""
+    step: int
+    """The optimizer step it was saved at."""
+    state: dict[str, Any]
+    """The replicated state, as rank 0 saved it."""
+    rank_state: dict[str, Any] | None
+    """What this rank saved of its own, or ``None`` when the checkpoint was saved by another
+    number of ranks (there is then no state that is this rank's)."""
+    location: str
+    """Where it was read from (a path or URL)."""
+
+
+class Checkpointer(Protocol):
+    """Saves and loads training state. Every method is a collective: every rank calls it."""
+
+    def save(self, state: Mapping[str, Any], *, step: int, rank_state: Mapping[str, Any]) -> str:
+        """Save ``state`` (replicated: rank 0's is kept) and each rank's own ``rank_state``
+        as checkpoint ``step``; return where it goes, the same on every rank.
+
+        A backend that writes in the background returns once the state is staged (copied),
+        before it is committed; its failure is raised by the next ``save`` or ``wait``.
+        """
         ...
 
-    def load_latest(self) -> tuple[int, dict[str, Any]] | None:
-        """Return ``(step, state)`` of the newest complete checkpoint, or ``None`` if none."""
+    def load_latest(self) -> Loaded | None:
+        """The newest checkpoint that verifies, or ``None`` if there is none."""
+        ...
+
+    def wait(self) -> None:
+        """Return once no save is in flight (every save returned is committed); raise, on
+        every rank, if one failed."""
         ...
 
 

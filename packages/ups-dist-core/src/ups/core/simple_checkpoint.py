@@ -1,7 +1,8 @@
 """The built-in ``simple`` checkpoint backend: one ``torch.save`` file per checkpoint.
 
-Rank 0 writes the (replicated) state to a temporary file in the same folder, fsyncs it and
-renames it into place, so a file named ``step-*.pt`` is always complete. Saving and loading are
+Rank 0 gathers every rank's own state and writes it with the (replicated) state to a temporary
+file in the same folder, fsyncs it and renames it into place, so a file named ``step-*.pt`` is
+always complete. Saving and loading are
 collectives every rank enters; a failure on rank 0 is raised on every rank. Files load with
 ``weights_only=True``: one that would run code is refused, naming it; one damaged since (a
 truncated or unreadable file) is skipped with a warning naming it, for the newest that reads.
@@ -20,11 +21,13 @@ from typing import Any
 import attrs
 import structlog
 import torch
+import torch.distributed as dist
 
 from .collectives import decide
 from .context import RunContext
 from .errors import UsageError
 from .files import fsync_dir
+from .records import Loaded
 from .structure import at_least
 
 log = structlog.get_logger()
@@ -46,12 +49,17 @@ class SimpleCheckpointer:
         self.folder = directory / "checkpoints"
         self.options = options
 
-    def save(self, state: Mapping[str, Any], *, step: int) -> str:
-        """Write rank 0's ``state`` atomically; every rank returns the file's path."""
+    def save(self, state: Mapping[str, Any], *, step: int, rank_state: Mapping[str, Any]) -> str:
+        """Write rank 0's ``state`` and every rank's ``rank_state`` atomically; every rank
+        returns the file's path."""
         path = self.folder / f"step-{step:09d}.pt"
-        return decide(self.ctx, lambda: self._write(state, path))
+        ranks: list[object] = [dict(rank_state)]
+        if self.ctx.distributed:
+            ranks = [None] * self.ctx.world_size if self.ctx.is_main else []
+            dist.gather_object(dict(rank_state), ranks if self.ctx.is_main else None, dst=0)
+        return decide(self.ctx, lambda: self._write({"state": dict(state), "ranks": ranks}, path))
 
-    def load_latest(self) -> tuple[int, dict[str, Any]] | None:
+    def load_latest(self) -> Loaded | None:
         """Load the newest checkpoint rank 0 can read, on every rank, or ``None`` if there is
         none.
 
@@ -60,15 +68,24 @@ class SimpleCheckpointer:
         newest = decide(self.ctx, self._newest_readable)
         if newest is None:
             return None
-        state = torch.load(newest, map_location="cpu", weights_only=True)
-        return int(Path(newest).stem.split("-")[1]), state
+        saved = torch.load(newest, map_location="cpu", weights_only=True)
+        ranks = saved["ranks"]
+        return Loaded(
+            step=int(Path(newest).stem.split("-")[1]),
+            state=saved["state"],
+            rank_state=ranks[self.ctx.rank] if len(ranks) == self.ctx.world_size else None,
+            location=newest,
+        )
 
-    def _write(self, state: Mapping[str, Any], path: Path) -> str:
+    def wait(self) -> None:
+        """Nothing to wait for: :meth:`save` returns once the file is in place."""
+
+    def _write(self, state: dict[str, Any], path: Path) -> str:
         self.folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".pt")
         try:
             with os.fdopen(fd, "wb") as file:
-                torch.save(dict(state), file)
+                torch.save(state, file)
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(tmp, path)

@@ -1,0 +1,32 @@
+"""Retention: which committed checkpoints a save deletes once it has committed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def expired(
+    steps: Sequence[int],
+    *,
+    keep_last: int | None,
+    keep_every: int | None = None,
+    protected: int | None = None,
+) -> list[int]:
+    """The committed steps to delete, oldest first.
+
+    Kept: the newest ``keep_last`` (``None``: all), every step that is a multiple of
+    ``keep_every`` (``None``: none kept for that), and ``protected`` (the one ``latest``
+    names). A save in flight is not committed, so it is never among ``steps``.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    if keep_every is not None and keep_every < 1:
+        raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
+    if keep_last is None:
+        return []
+    ordered = sorted(set(steps))
+    return [
+        step
+        for step in ordered[:-keep_last]
+        if step != protected and not (keep_every and step % keep_every == 0)
+    ]
