@@ -119,9 +119,8 @@ class LocalCheckpointer:
         error: Exception | None = None
         written: dict[str, FileRecord] = {}
         try:
+            written = self._write_state(tmp, state)
             check_safe(rank_state)
-            if self.ctx.is_main:
-                written[STATE_FILE] = _write(tmp / STATE_FILE, state)
             _write(tmp / _rank_file(self.ctx.rank), rank_state)
         except Exception as caught:  # every rank learns of it below
             error = caught
@@ -149,7 +148,7 @@ class LocalCheckpointer:
         own: dict[str, Any] | None = None
         error: Exception | None = None
         try:
-            state = _read(path / STATE_FILE)
+            state = self._read_state(path)
             if saved_world == self.ctx.world_size:
                 own = _read(path / _rank_file(self.ctx.rank))
         except Exception as caught:  # every rank learns of it below
@@ -173,6 +172,26 @@ class LocalCheckpointer:
                 if manifest is not None:
                     found.append(Committed(path, manifest))
         return sorted(found, key=lambda c: c.step)
+
+    # -- how the replicated state is kept (a subclass may keep it otherwise) -------------------
+
+    def _write_state(self, tmp: Path, state: Mapping[str, Any]) -> dict[str, FileRecord]:
+        """Write the replicated ``state`` into the folder ``tmp``; return the records of the
+        files written (rank 0's return is used; files it does not name are read back at commit).
+
+        Every rank calls it, before anything that may fail on one rank only, so a subclass may
+        run collectives over ``self.group`` in it. Here rank 0 writes ``state.pt``.
+        """
+        if not self.ctx.is_main:
+            return {}
+        return {STATE_FILE: _write(tmp / STATE_FILE, state)}
+
+    def _read_state(self, path: Path) -> dict[str, Any]:
+        """Read the replicated state of the committed checkpoint folder ``path``.
+
+        Every rank calls it, first, so a subclass may run collectives over ``self.group`` in it.
+        """
+        return _read(path / STATE_FILE)
 
     # -- rank 0's parts -----------------------------------------------------------------------
 
@@ -219,10 +238,11 @@ class LocalCheckpointer:
                         f"{self.folder} on a filesystem every rank shares?"
                     )
             files = dict(written)
-            for path in sorted(tmp.iterdir()):
-                if path.name not in files:
+            for path in sorted(tmp.rglob("*")):
+                name = path.relative_to(tmp).as_posix()
+                if path.is_file() and name not in files:
                     with open(path, "rb") as file:
-                        files[path.name] = checksum(file)
+                        files[name] = checksum(file)
             manifest = Manifest(
                 step=step,
                 world_size=self.ctx.world_size,
