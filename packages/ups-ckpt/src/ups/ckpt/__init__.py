@@ -13,6 +13,7 @@ from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
 from .manifest import Manifest
 from .retention import expired
 from .serialize import FileRecord
+from .sharded import ShardedCheckpointer
 
 __all__ = [
     "CheckpointError",
@@ -22,6 +23,7 @@ __all__ = [
     "LocalCheckpointOptions",
     "LocalCheckpointer",
     "Manifest",
+    "ShardedCheckpointer",
     "UnsafeCheckpointError",
     "expired",
     "stage",

@@ -8,6 +8,7 @@ from ups.core import CheckpointBackendPlugin, Checkpointer, RunContext, hookimpl
 
 from .background import InBackground
 from .local import LocalCheckpointer, LocalCheckpointOptions
+from .sharded import ShardedCheckpointer
 
 
 def local_backend(
@@ -24,6 +25,20 @@ def local_backend(
     )
 
 
+def sharded_backend(
+    *, ctx: RunContext, directory: Path, options: LocalCheckpointOptions
+) -> Checkpointer:
+    """The ``sharded`` backend, writing in the background when ``options.async_save``."""
+    if not options.async_save:
+        return ShardedCheckpointer(ctx=ctx, directory=directory, options=options)
+    return InBackground(
+        ctx=ctx,
+        build=lambda group: ShardedCheckpointer(
+            ctx=ctx, directory=directory, options=options, group=group
+        ),
+    )
+
+
 @hookimpl
 def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
     return [
@@ -32,5 +47,11 @@ def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
             factory=local_backend,
             options=LocalCheckpointOptions,
             description="a folder per checkpoint, per-rank files, committed atomically",
-        )
+        ),
+        CheckpointBackendPlugin(
+            name="sharded",
+            factory=sharded_backend,
+            options=LocalCheckpointOptions,
+            description="as local, each rank writing its share of the state with torch DCP",
+        ),
     ]
