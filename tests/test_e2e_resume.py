@@ -49,14 +49,16 @@ def project(
 
 
 def final_state(result: Any) -> dict[str, Any]:
-    """The state of the run's final checkpoint (a file of ``simple``'s, or the replicated
-    state file of ``local``'s folder)."""
+    """The replicated state of the run's final checkpoint, with every rank's own state as a
+    list under ``ranks`` (a file of ``simple``'s, or the files of ``local``'s folder)."""
     assert result.checkpoint is not None
     path = Path(result.checkpoint)
-    state: dict[str, Any] = torch.load(
-        path / "state.pt" if path.is_dir() else path, weights_only=True
-    )
-    return state
+    if not path.is_dir():
+        saved = torch.load(path, weights_only=True)
+        return {**saved["state"], "ranks": saved["ranks"]}
+    state: dict[str, Any] = torch.load(path / "state.pt", weights_only=True)
+    ranks = sorted(path.glob("rank-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    return {**state, "ranks": [torch.load(p, weights_only=True) for p in ranks]}
 
 
 def assert_same(a: Any, b: Any) -> None:
@@ -103,7 +105,7 @@ def test_a_stopped_and_resumed_run_ends_bitwise_equal_to_an_unstopped_one(
     rest = run("parts", 14, "latest")
     assert (rest.steps, rest.epochs) == (whole.steps, whole.epochs)
     a, b = final_state(whole), final_state(rest)
-    for key in ("model", "optimizer", "step", "epoch", "epoch_left", "rng"):
+    for key in ("model", "optimizer", "step", "epoch", "epoch_left", "rng", "ranks"):
         assert_same(a[key], b[key])
     # The reports after the first one (whose window began at the stop) are the same too.
     assert rest.losses[1:] == whole.losses[-len(rest.losses) + 1 :]

@@ -20,8 +20,11 @@ def test_two_processes_train_and_return_rank_0s_result(project: Path) -> None:
     assert len(result.losses) == 20
     assert result.losses[-1] < result.losses[0] / 2
     assert result.checkpoint is not None
-    state = torch.load(result.checkpoint, weights_only=True)
+    saved = torch.load(result.checkpoint, weights_only=True)
+    state = saved["state"]
     assert state["step"] == 40
+    # each rank's own generators
+    assert [set(own["rng"]) for own in saved["ranks"]] == [{"torch", "numpy", "python"}] * 2
     assert set(state["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # unwrapped from DDP
     # every rank's own log, at info level, whatever its console shows
     for rank in (0, 1):

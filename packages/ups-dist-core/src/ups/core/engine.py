@@ -43,7 +43,7 @@ from .preemption import Preemption
 from .profiling import StepProfiler, comm_profile, model_counts, throughput
 from .progress import Progress
 from .records import Checkpointer, Loaded
-from .rng import rng_state, set_rng_state
+from .rng import rng_state, seed_all, set_rng_state
 from .rundir import RunFiles
 from .schedule import Schedule, apply_lr_multiplier
 from .user_metrics import PendingMetrics, UserMetrics
@@ -142,7 +142,7 @@ class Run:
     def __init__(self, config: Config, ctx: RunContext, registry: Registry) -> None:
         self.config, self.ctx, self.hook = config, ctx, registry.manager.hook
         t = config.training
-        torch.manual_seed(config.run.seed)
+        seed_all(config.run.seed)
         self.model = build_model(config).to(ctx.device)
         if ctx.distributed and config.distributed.sync_batchnorm:
             convert = nn.SyncBatchNorm.convert_sync_batchnorm

@@ -16,6 +16,13 @@ import numpy as np
 import torch
 
 
+def seed_all(seed: int) -> None:
+    """Seed torch's generators (CPU and every CUDA device), numpy's and Python's with ``seed``."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 def rng_state(device: torch.device) -> dict[str, Any]:
     """The state of every generator this process draws from (CUDA's on ``device`` only)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
