@@ -5,6 +5,7 @@ from __future__ import annotations
 from ups.core import CommHookPlugin, hookimpl
 
 from ._compress import bf16_compression, fp16_compression
+from ._powersgd import PowerSGDOptions, powersgd_compression
 
 
 @hookimpl
@@ -19,5 +20,11 @@ def ups_comm_hooks() -> list[CommHookPlugin]:
             name="fp16",
             factory=fp16_compression,
             description="gradients averaged in float16: half the bytes, any backend",
+        ),
+        CommHookPlugin(
+            name="powersgd",
+            factory=powersgd_compression,
+            options=PowerSGDOptions,
+            description="torch's PowerSGD low-rank compression, with a state that resumes exactly",
         ),
     ]

@@ -1,0 +1,312 @@
+"""The ``powersgd`` hook on real gloo process groups: a run resumed from the hook's
+``state_dict`` (and the model's and optimizer's) goes on bitwise as the run it continues."""
+
+from __future__ import annotations
+
+import copy
+import io
+import traceback
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState,
+    batched_powerSGD_hook,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from ups.comm_hooks import PowerSGDHookState, PowerSGDOptions, plugin
+from ups.core import CommHookPlugin, ConfigError, RunContext, load_plugins
+from ups.core.testing import run_ranks
+
+SMALL_BUCKETS = 0.005
+"""A bucket cap (MiB) that splits :func:`model`'s parameters into two buckets."""
+ONE_BUCKET = 25.0
+"""DDP's default cap: one bucket, whose parameters are in the reverse order of the model's
+after DDP rebuilds it, and in the model's order before."""
+AFTER = 4
+"""Steps trained after the state is saved."""
+
+
+def registry_select(name: str, options: dict[str, Any]) -> tuple[CommHookPlugin, Any]:
+    """The plugin ``name`` and its options built from ``options``, as the engine gets them."""
+    registry = load_plugins(
+        extra=[("ups-comm-hooks", plugin)], env={"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    )
+    record, built = registry.select("comm_hook", name, options, "comm_hook")
+    assert isinstance(record, CommHookPlugin)
+    return record, built
+
+
+def model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 4)
+    )
+
+
+class Run:
+    """A DDP model with a hook, its optimizer, and this rank's data: step ``t`` is the same
+    batch whichever run trains it."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        options: dict[str, Any],
+        bucket_cap_mb: float,
+        resume: dict[str, Any] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        module = model(seed=1)
+        if resume is not None:
+            module.load_state_dict(resume["model"])
+        self.module = module
+        self.ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+        record, built = registry_select("powersgd", options)
+        state = record.factory(self.ddp, ctx=ctx, options=built)
+        assert isinstance(state, PowerSGDHookState)
+        self.state = state
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9)
+        if resume is not None:
+            self.optimizer.load_state_dict(resume["optimizer"])
+            if resume.get("hook") is not None:
+                state.load_state_dict(resume["hook"])
+
+    def train(self, steps: range) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(1000 * self.ctx.rank + step)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            self.optimizer.zero_grad()
+            torch.autograd.backward(nn.functional.mse_loss(self.ddp(x), y))
+            self.optimizer.step()
+
+    def saved(self) -> dict[str, Any]:
+        """The model's, optimizer's and hook's states, the hook's through ``torch.save`` and
+        ``torch.load(weights_only=True)``, as a checkpoint keeps it."""
+        buffer = io.BytesIO()
+        torch.save(self.state.state_dict(), buffer)
+        buffer.seek(0)
+        return {
+            "model": copy.deepcopy(self.module.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "hook": torch.load(buffer, weights_only=True),
+            "hook_bytes": buffer.getvalue(),
+        }
+
+    def params(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save([p.detach().clone() for p in self.module.parameters()], buffer)
+        return buffer.getvalue()
+
+
+SCENARIOS: dict[str, tuple[dict[str, Any], float, float, int]] = {
+    # name: (options, bucket cap of the saved run, of the resumed one, steps before saving)
+    "two buckets": ({"start_powersgd_iter": 3}, SMALL_BUCKETS, SMALL_BUCKETS, 5),
+    "one bucket": ({"start_powersgd_iter": 3}, ONE_BUCKET, ONE_BUCKET, 5),
+    "saved as PowerSGD starts, without warm start nor error feedback": (
+        {"start_powersgd_iter": 3, "warm_start": False, "use_error_feedback": False},
+        SMALL_BUCKETS,
+        SMALL_BUCKETS,
+        3,
+    ),
+    "resumed with larger buckets": (
+        {"start_powersgd_iter": 3, "matrix_approximation_rank": 1, "min_compression_rate": 1},
+        SMALL_BUCKETS,
+        ONE_BUCKET,
+        5,
+    ),
+}
+
+
+def resume_every_scenario(ctx: RunContext) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (options, cap, resumed_cap, before) in SCENARIOS.items():
+        run = Run(ctx, options, cap)
+        run.train(range(before))
+        saved = run.saved()
+        run.train(range(before, before + AFTER))
+        results = {"uninterrupted": run.params(), "hook_state": saved.pop("hook_bytes")}
+        without_layout = {**saved, "hook": {**saved["hook"], "buckets": {}}}
+        for kind, resume in (
+            ("resumed", saved),
+            ("resumed without the hook's state", {**saved, "hook": None}),
+            ("resumed without the saved bucket layout", without_layout),
+        ):
+            again = Run(ctx, options, resumed_cap, resume=resume)
+            try:
+                again.train(range(before, before + AFTER))
+            except RuntimeError as error:  # the same on every rank, before any collective
+                results[kind] = str(error)
+            else:
+                results[kind] = again.params()
+        out[name] = results
+    out["errors"] = errors_of_states_the_hook_cannot_continue(ctx)
+    out["torch's batched hook"] = torch_batched_hook_error(ctx)
+    return out
+
+
+def errors_of_states_the_hook_cannot_continue(ctx: RunContext) -> dict[str, str]:
+    errors = {}
+    run = Run(ctx, {"start_powersgd_iter": 2}, SMALL_BUCKETS)
+    run.train(range(3))
+    saved = run.saved()
+    for key, value in (("matrix_approximation_rank", 1), ("min_compression_rate", 1.5)):
+        try:
+            Run(ctx, {"start_powersgd_iter": 2, key: value}, SMALL_BUCKETS, resume=saved)
+        except ValueError as error:
+            errors[key] = str(error)
+    # Saved with two buckets, resumed with one: fine (it is cut in two). The other way: not.
+    run = Run(ctx, {"start_powersgd_iter": 2}, ONE_BUCKET)
+    run.train(range(3))
+    smaller = Run(ctx, {"start_powersgd_iter": 2}, SMALL_BUCKETS, resume=run.saved())
+    try:
+        smaller.train(range(3, 5))
+    except RuntimeError as error:
+        errors["smaller buckets"] = str(error)
+    return errors
+
+
+def torch_batched_hook_error(ctx: RunContext) -> str:
+    """What torch's ``batched_powerSGD_hook`` raises at its first compressing step."""
+    ddp = DistributedDataParallel(model(seed=0))
+    ddp.register_comm_hook(PowerSGDState(None, start_powerSGD_iter=2), batched_powerSGD_hook)
+    for _ in range(3):
+        try:
+            torch.autograd.backward(ddp(torch.ones(2, 16)).sum())
+        except AssertionError as error:
+            return "".join(traceback.format_exception(error))
+    return "no error"
+
+
+@pytest.fixture(scope="module")
+def resumed() -> list[dict[str, Any]]:
+    return run_ranks(resume_every_scenario, 2)
+
+
+def tensors(data: bytes) -> list[torch.Tensor]:
+    loaded: list[torch.Tensor] = torch.load(io.BytesIO(data), weights_only=True)
+    return loaded
+
+
+def equal(a: bytes, b: bytes) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_a_resumed_run_goes_on_bitwise_as_the_uninterrupted_one(
+    resumed: list[dict[str, Any]], scenario: str
+) -> None:
+    for rank in resumed:
+        results = rank[scenario]
+        assert equal(results["resumed"], results["uninterrupted"])
+        # ... which it would not without the hook's state: the test can fail.
+        assert not equal(results["resumed without the hook's state"], results["uninterrupted"])
+    # The replicas stay identical.
+    assert equal(resumed[0][scenario]["resumed"], resumed[1][scenario]["resumed"])
+
+
+@pytest.mark.slow
+def test_the_saved_bucket_layout_is_what_keeps_the_first_resumed_step_exact(
+    resumed: list[dict[str, Any]],
+) -> None:
+    for rank in resumed:
+        # Two buckets saved; DDP's first step has one: the error feedback does not fit it.
+        assert (
+            "must match the size of tensor"
+            in (rank["two buckets"]["resumed without the saved bucket layout"])
+        )
+        # One bucket saved, and one bucket of the same length in the first step, its parameters
+        # in the reverse order: the error feedback fits, and lands on the wrong parameters.
+        results = rank["one bucket"]
+        wrong = results["resumed without the saved bucket layout"]
+        assert not equal(wrong, results["uninterrupted"])
+
+
+@pytest.mark.slow
+def test_the_state_dict_loads_with_weights_only(resumed: list[dict[str, Any]]) -> None:
+    states = [
+        torch.load(io.BytesIO(rank["two buckets"]["hook_state"]), weights_only=True)
+        for rank in resumed
+    ]
+    for state in states:
+        assert state["iter"] == 5
+        assert (state["matrix_approximation_rank"], state["min_compression_rate"]) == (2, 2.0)
+        assert set(state["rng"]) == {"key", "pos", "has_gauss", "gauss"}
+        assert state["rng"]["key"].shape == (624,)
+        # Two buckets, which hold every parameter; each has its error feedback and its P and Q
+        # memories, on the CPU.
+        assert sorted(state["buckets"]) == [0, 1]
+        assert sorted(n for names in state["buckets"].values() for n in names) == sorted(
+            name for name, _ in model(seed=0).named_parameters()
+        )
+        for key in ("error_dict", "p_memory_dict", "q_memory_dict"):
+            assert sorted(state[key]) == [0, 1]
+            assert all(t.device.type == "cpu" for t in state[key].values())
+    # The error feedback is each rank's own; the generator is the same on all.
+    assert not torch.equal(states[0]["error_dict"][0], states[1]["error_dict"][0])
+    assert torch.equal(states[0]["rng"]["key"], states[1]["rng"]["key"])
+
+
+@pytest.mark.slow
+def test_a_state_the_hook_cannot_continue_is_refused(resumed: list[dict[str, Any]]) -> None:
+    for rank in resumed:
+        errors = rank["errors"]
+        assert errors["matrix_approximation_rank"] == (
+            "the PowerSGD state was saved with matrix_approximation_rank 2, not 1 as now"
+        )
+        assert errors["min_compression_rate"] == (
+            "the PowerSGD state was saved with min_compression_rate 2.0, not 1.5 as now"
+        )
+        smaller = errors["smaller buckets"]
+        assert "powersgd: bucket 0 of this DDP model holds the parameters" in smaller
+        assert "Resume with the model and the DDP options (bucket_cap_mb)" in smaller
+
+
+@pytest.mark.slow
+def test_torch_batched_hook_still_fails_which_is_why_it_is_not_offered(
+    resumed: list[dict[str, Any]],
+) -> None:
+    for rank in resumed:
+        error = rank["torch's batched hook"]
+        assert "_orthogonalize(state.q_memory_dict[bucket_index])" in error, error
+
+
+def test_the_plugin_takes_powersgd_options() -> None:
+    record, options = registry_select("powersgd", {"matrix_approximation_rank": 4, "seed": 7})
+    assert record.options is PowerSGDOptions
+    assert options == PowerSGDOptions(matrix_approximation_rank=4, seed=7)
+    assert registry_select("powersgd", {})[1] == PowerSGDOptions(
+        matrix_approximation_rank=2,
+        start_powersgd_iter=10,
+        min_compression_rate=2.0,
+        use_error_feedback=True,
+        warm_start=True,
+        orthogonalization_epsilon=0.0,
+        seed=0,
+    )
+    _, options = registry_select("powersgd", {"min_compression_rate": 1})
+    assert options.min_compression_rate == 1.0
+    assert isinstance(options.min_compression_rate, float)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"matrix_approximation_rank": 0},
+            r"comm_hook\.options\.matrix_approximation_rank: 0 .*>= 1",
+        ),
+        ({"start_powersgd_iter": 1}, r"comm_hook\.options\.start_powersgd_iter: 1 .*>= 2"),
+        ({"orthogonalization_epsilon": -1e-8}, r"orthogonalization_epsilon: -1e-08 .*>= 0"),
+        ({"min_compression_rate": -1}, r"comm_hook\.options\.min_compression_rate: -1.0 .*>= 0"),
+        ({"seed": 2**32}, r"comm_hook\.options\.seed: 4294967296 .*< 2\*\*32"),
+        ({"warm_start": "yes"}, r"comm_hook\.options\.warm_start: expected a boolean"),
+        ({"start_powerSGD_iter": 10}, r"comm_hook\.options\.start_powerSGD_iter: unknown key"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_key(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        registry_select("powersgd", options)
