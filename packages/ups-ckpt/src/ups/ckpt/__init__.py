@@ -11,6 +11,7 @@ from .background import InBackground, stage
 from .errors import CheckpointError, UnsafeCheckpointError
 from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
 from .manifest import Manifest
+from .remote import FsspecCheckpointer, FsspecCheckpointOptions
 from .retention import expired
 from .serialize import FileRecord
 from .sharded import ShardedCheckpointer
@@ -19,6 +20,8 @@ __all__ = [
     "CheckpointError",
     "Committed",
     "FileRecord",
+    "FsspecCheckpointOptions",
+    "FsspecCheckpointer",
     "InBackground",
     "LocalCheckpointOptions",
     "LocalCheckpointer",

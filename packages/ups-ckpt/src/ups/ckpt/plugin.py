@@ -8,6 +8,7 @@ from ups.core import CheckpointBackendPlugin, Checkpointer, RunContext, hookimpl
 
 from .background import InBackground
 from .local import LocalCheckpointer, LocalCheckpointOptions
+from .remote import FsspecCheckpointer, FsspecCheckpointOptions
 from .sharded import ShardedCheckpointer
 
 
@@ -20,6 +21,20 @@ def local_backend(
     return InBackground(
         ctx=ctx,
         build=lambda group: LocalCheckpointer(
+            ctx=ctx, directory=directory, options=options, group=group
+        ),
+    )
+
+
+def fsspec_backend(
+    *, ctx: RunContext, directory: Path, options: FsspecCheckpointOptions
+) -> Checkpointer:
+    """The ``fsspec`` backend, writing in the background when ``options.async_save``."""
+    if not options.async_save:
+        return FsspecCheckpointer(ctx=ctx, directory=directory, options=options)
+    return InBackground(
+        ctx=ctx,
+        build=lambda group: FsspecCheckpointer(
             ctx=ctx, directory=directory, options=options, group=group
         ),
     )
@@ -53,5 +68,11 @@ def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
             factory=sharded_backend,
             options=LocalCheckpointOptions,
             description="as local, each rank writing its share of the state with torch DCP",
+        ),
+        CheckpointBackendPlugin(
+            name="fsspec",
+            factory=fsspec_backend,
+            options=FsspecCheckpointOptions,
+            description="S3, GCS, Azure or a path through fsspec, committed by a manifest",
         ),
     ]

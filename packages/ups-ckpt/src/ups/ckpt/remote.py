@@ -1,0 +1,449 @@
+"""The ``fsspec`` checkpoint backend: checkpoints in an object store or on any filesystem that
+fsspec reaches (S3 through s3fs, GCS through gcsfs, Azure through adlfs, a local path).
+
+Layout under the configured URL, e.g. ``s3://bucket/run1/checkpoints``::
+
+    step-100/          a committed checkpoint (a prefix in an object store, a folder on disk)
+        state.pt       the replicated state, written by rank 0
+        rank-0.pt      what each rank keeps of its own (its RNG state)
+        rank-1.pt
+        COMMIT         the manifest, written last: step, world size, files, sizes, CRC-32s
+    latest             the name of the newest checkpoint ("step-100")
+    step-150/          a save in progress, or one that crashed: no COMMIT, never loaded
+
+An object store has no rename, so a checkpoint is written where it stays and is committed by
+its ``COMMIT`` object. A save is a collective every rank enters: all ranks learn whether the
+state is safe to save; rank 0 prepares the prefix; every rank uploads its files, computing
+their sizes and CRC-32s as the bytes go out; all ranks learn whether any rank failed (if one
+did, every rank raises, naming it, and the prefix is deleted); the other ranks' records are
+gathered to rank 0, which checks that the store lists every file at its size, writes
+``COMMIT``, then ``latest``, then deletes what retention lets go. A prefix without a readable
+``COMMIT`` is never loaded; the first save of a checkpointer deletes those left by earlier runs.
+
+A checkpoint's prefix is ``step-<N>``, without a random suffix, so that :meth:`location` knows
+it before the save (saving in the background returns it at once). Saving a step that is there
+already (after resuming from an older checkpoint) first deletes the old one, ``COMMIT`` first:
+until the new one commits that step is absent, and loading takes the newest other one. Every
+deletion (retention, a step saved again) removes ``COMMIT`` first, so that a checkpoint half
+deleted never looks committed; retention never deletes the checkpoint ``latest`` names.
+
+Loading takes the checkpoint ``latest`` names if every file matches the manifest's size and
+CRC-32, else the newest committed one that does, with a warning naming each damaged one
+skipped. Every file is read with ``torch.load(weights_only=True)``: a file that would run code
+is refused. ``storage_options`` go to the filesystem as they are and are never logged; keys
+and secrets belong in the environment (s3fs reads ``AWS_*`` like every AWS client).
+
+On a local path fsspec neither fsyncs nor renames: the ``local`` backend is the crash-safe
+choice there; this one takes local paths for tests and for filesystems mounted by a driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import structlog
+import torch.distributed as dist
+
+from ups.core import ConfigError, Loaded, RankFailedError, RunContext, at_least, decide
+
+from .errors import CheckpointError, agree, describe
+from .local import _STEP_DIR, LATEST_FILE, STATE_FILE, _rank_file
+from .manifest import MANIFEST, Manifest
+from .retention import expired
+from .serialize import FileRecord, check_safe, checksum, dump, load
+
+log = structlog.get_logger()
+
+T = TypeVar("T")
+
+
+def _url_given(_instance: object, _attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not value.strip("/ "):
+        raise ValueError("give the URL or path to keep checkpoints under")
+
+
+def _keys_only(options: dict[str, Any]) -> str:
+    """The repr of ``storage_options``: their keys, never their values (they may be secrets)."""
+    return f"<storage options: {', '.join(sorted(options)) or 'none'}>"
+
+
+@attrs.frozen(kw_only=True)
+class FsspecCheckpointOptions:
+    """Options of the ``fsspec`` backend."""
+
+    url: str = attrs.field(validator=_url_given)
+    """Where the checkpoints go: ``s3://bucket/run1/checkpoints``, ``gs://...``, ``az://...``,
+    ``file:///...`` or a path; a relative path is relative to the run's folder."""
+    storage_options: dict[str, Any] = attrs.field(factory=dict, repr=_keys_only)
+    """Passed to the filesystem as they are (s3fs: ``endpoint_url``, ``client_kwargs``, ...);
+    never logged. Keys and secrets belong in the environment (``AWS_ACCESS_KEY_ID``, ...)."""
+    keep_last: int | None = attrs.field(default=3, validator=at_least(1))
+    """How many of the newest committed checkpoints to keep; older ones are deleted after a
+    save commits (``null``: keep all). The checkpoint ``latest`` names is never deleted."""
+    keep_every: int | None = attrs.field(default=None, validator=at_least(1))
+    """Also keep every checkpoint whose step is a multiple of this (``null``: none kept for it)."""
+    async_save: bool = False
+    """Write in the background: ``save`` returns once the state is copied, and training goes
+    on while it is uploaded and committed (one save in flight at a time)."""
+
+
+@attrs.frozen
+class CommittedPrefix:
+    """A committed checkpoint: its prefix's name (``step-<N>``) and its manifest."""
+
+    name: str
+    manifest: Manifest
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+
+class FsspecCheckpointer:
+    """Keeps checkpoints as ``<url>/step-<N>/`` prefixes through fsspec (see the module doc).
+
+    ``directory``: the run's folder, which a relative local path is taken relative to.
+    ``group``: the process group its collectives use (``None``: the default one); a background
+    saver gives it one of its own.
+
+    :raises ConfigError: when fsspec, or the filesystem the URL needs, is not installed.
+    """
+
+    def __init__(
+        self,
+        *,
+        ctx: RunContext,
+        directory: Path,
+        options: FsspecCheckpointOptions,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.options = options
+        self.group = group
+        url = options.url.rstrip("/")
+        if "://" not in url and not Path(url).is_absolute():
+            url = str(Path(directory) / url)
+        self.url = url
+        """The URL the checkpoints are under, as locations and messages name them."""
+        self.fs, self.root = _filesystem(url, options.storage_options)
+        self._swept = False
+
+    # -- the Checkpointer protocol ------------------------------------------------------------
+
+    def save(self, state: Mapping[str, Any], *, step: int, rank_state: Mapping[str, Any]) -> str:
+        """Save rank 0's ``state`` and every rank's ``rank_state`` as checkpoint ``step``.
+
+        A collective: every rank calls it. Returns the committed checkpoint's URL on every rank.
+
+        :raises CheckpointError: on every rank, naming the ranks that failed and why.
+        :raises UnsafeCheckpointError: when a state holds what loading would refuse.
+        """
+        what = f"saving checkpoint step {step} under {self.url}"
+        error: Exception | None = None
+        try:
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"step must be an integer >= 0, got {step!r}")
+            check_safe(rank_state)
+            if self.ctx.is_main:
+                check_safe(state)
+        except Exception as caught:  # every rank learns of it below
+            error = caught
+        agree(self.ctx, what, error, self.group)
+        name = f"step-{step}"
+        self._on_main(what, lambda: self._begin(name))
+        written: dict[str, FileRecord] = {}
+        try:
+            if self.ctx.is_main:
+                written[STATE_FILE] = self._write(f"{name}/{STATE_FILE}", state)
+            own = _rank_file(self.ctx.rank)
+            written[own] = self._write(f"{name}/{own}", rank_state)
+        except Exception as caught:  # every rank learns of it below
+            error = caught
+        try:
+            agree(self.ctx, what, error, self.group)
+        except CheckpointError:
+            if self.ctx.is_main:
+                self._remove_quietly(name)
+            raise
+        files = self._gather(written)
+        return self._on_main(what, lambda: self._commit(name, step, files))
+
+    def load_latest(self) -> Loaded | None:
+        """Load the checkpoint ``latest`` names, else the newest committed one that verifies,
+        on every rank; ``None`` when there is none.
+
+        :raises CheckpointError: on every rank, when any rank cannot read it.
+        :raises UnsafeCheckpointError: when a file would run code to load (on every rank).
+        """
+        found = self._on_main(f"finding the latest checkpoint under {self.url}", self._find)
+        if found is None:
+            return None
+        name, step, saved_world = found
+        state: dict[str, Any] = {}
+        own: dict[str, Any] | None = None
+        error: Exception | None = None
+        try:
+            self.fs.invalidate_cache()  # sizes listed before this checkpoint was written
+            state = self._read(f"{name}/{STATE_FILE}")
+            if saved_world == self.ctx.world_size:
+                own = self._read(f"{name}/{_rank_file(self.ctx.rank)}")
+        except Exception as caught:  # every rank learns of it below
+            error = caught
+        agree(self.ctx, f"loading checkpoint {self._url(name)}", error, self.group)
+        return Loaded(step=step, state=state, rank_state=own, location=self._url(name))
+
+    def wait(self) -> None:
+        """Nothing to wait for: :meth:`save` returns once the checkpoint is committed."""
+
+    def location(self, step: int) -> str:
+        """The URL checkpoint ``step`` has once committed."""
+        return self._url(f"step-{step}")
+
+    def committed(self) -> list[CommittedPrefix]:
+        """The committed checkpoints under the URL, oldest step first (listed on this rank)."""
+        found = []
+        for name in self._step_prefixes():
+            manifest = self._manifest(name)
+            if manifest is not None:
+                found.append(CommittedPrefix(name, manifest))
+        return sorted(found, key=lambda c: c.step)
+
+    # -- rank 0's parts -----------------------------------------------------------------------
+
+    def _on_main(self, what: str, action: Callable[[], T]) -> T:
+        """Run ``action`` on rank 0 and hand its result (or failure) to every rank."""
+        try:
+            return decide(self.ctx, action, group=self.group)
+        except RankFailedError as error:
+            raise CheckpointError(f"{what} failed: {error}") from error
+        except CheckpointError:
+            raise
+        except Exception as error:  # not distributed: decide ran it here
+            raise CheckpointError(f"{what} failed: {describe(error)}") from error
+
+    def _begin(self, name: str) -> None:
+        """Clear the way for checkpoint ``name``: delete an older one of that step, and, at
+        this checkpointer's first save, the uncommitted prefixes earlier runs left."""
+        prefixes = self._step_prefixes()
+        if not self._swept:  # no save of this checkpointer is in flight yet
+            self._swept = True
+            for left in prefixes:
+                if left != name and not self.fs.exists(self._path(f"{left}/{MANIFEST}")):
+                    log.info("uncommitted checkpoint deleted", checkpoint=self._url(left))
+                    self.fs.rm(self._path(left), recursive=True)
+        if name in prefixes:
+            self._remove(name)
+
+    def _commit(self, name: str, step: int, files: dict[str, FileRecord]) -> str:
+        """Check that the store lists every file at its recorded size, write the manifest,
+        point ``latest`` at it and apply retention."""
+        try:
+            self.fs.invalidate_cache()
+            listed = {
+                _basename(entry["name"]): entry["size"]
+                for entry in self.fs.ls(self._path(name), detail=True)
+            }
+            for file, record in sorted(files.items()):
+                if listed.get(file) != record.size:
+                    raise CheckpointError(
+                        f"{self._url(f'{name}/{file}')} is not there with the {record.size} "
+                        f"bytes written (found: {listed.get(file)}): does every rank reach the "
+                        "same store?"
+                    )
+            manifest = Manifest(
+                step=step,
+                world_size=self.ctx.world_size,
+                files=files,
+                saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            )
+            self.fs.pipe_file(self._path(f"{name}/{MANIFEST}"), manifest.to_json().encode())
+        except BaseException:
+            self._remove_quietly(name)
+            raise
+        self.fs.pipe_file(self._path(LATEST_FILE), f"{name}\n".encode())
+        self._retain(protect=step)
+        return self._url(name)
+
+    def _retain(self, protect: int) -> None:
+        committed = {c.step: c for c in self.committed()}
+        doomed = expired(
+            list(committed),
+            keep_last=self.options.keep_last,
+            keep_every=self.options.keep_every,
+            protected=protect,
+        )
+        for step in doomed:
+            name = committed[step].name
+            try:
+                self._remove(name)
+            except Exception as error:  # the next save tries again
+                log.warning(
+                    "could not delete an old checkpoint",
+                    checkpoint=self._url(name),
+                    error=describe(error),
+                )
+            else:
+                log.debug("old checkpoint deleted", checkpoint=self._url(name))
+
+    def _find(self) -> tuple[str, int, int] | None:
+        """The checkpoint ``latest`` names, else the newest committed one, if it verifies;
+        else the newest that does, with a warning naming each damaged one skipped."""
+        committed = self.committed()
+        pointer = self._latest()
+        named = [c for c in committed if c.name == pointer]
+        if pointer is not None and not named and committed:
+            log.warning("'latest' names no committed checkpoint", latest=self._url(pointer))
+        for candidate in named + [c for c in reversed(committed) if c not in named]:
+            damage = self._damage(candidate)
+            if damage is None:
+                return candidate.name, candidate.step, candidate.manifest.world_size
+            log.warning(
+                "damaged checkpoint skipped: loading an older one",
+                checkpoint=self._url(candidate.name),
+                damage=damage,
+            )
+        if committed:
+            raise CheckpointError(
+                f"no checkpoint under {self.url} verifies against its COMMIT manifest "
+                f"({len(committed)} damaged); move them away to start afresh"
+            )
+        return None
+
+    # -- the store ----------------------------------------------------------------------------
+
+    def _path(self, relative: str) -> str:
+        """The filesystem's path of ``relative`` (to the URL)."""
+        return f"{self.root}/{relative}"
+
+    def _url(self, relative: str) -> str:
+        """The URL of ``relative`` (to the URL), as locations and messages name it."""
+        return f"{self.url}/{relative}"
+
+    def _gather(self, written: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        """Every rank's records of the files it wrote, merged, on rank 0 (``{}`` elsewhere)."""
+        if not self.ctx.distributed:
+            return written
+        gathered: list[dict[str, FileRecord] | None] | None = None
+        if self.ctx.is_main:
+            gathered = [None] * self.ctx.world_size
+        dist.gather_object(written, gathered, dst=0, group=self.group)
+        return {name: r for records in gathered or [] for name, r in (records or {}).items()}
+
+    def _write(self, relative: str, obj: Mapping[str, Any]) -> FileRecord:
+        with self.fs.open(self._path(relative), "wb") as file:
+            return dump(dict(obj), file)
+
+    def _read(self, relative: str) -> dict[str, Any]:
+        with self.fs.open(self._path(relative), "rb") as file:
+            return load(file, self._url(relative))
+
+    def _step_prefixes(self) -> list[str]:
+        """The names of the ``step-<N>`` prefixes under the URL, committed or not."""
+        self.fs.invalidate_cache()
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:  # nothing saved yet
+            return []
+        return [
+            _basename(entry["name"])
+            for entry in entries
+            if entry["type"] == "directory" and _STEP_DIR.fullmatch(_basename(entry["name"]))
+        ]
+
+    def _manifest(self, name: str) -> Manifest | None:
+        """The manifest of checkpoint ``name``, or ``None`` when it is not committed."""
+        try:
+            data = self.fs.cat_file(self._path(f"{name}/{MANIFEST}"))
+        except FileNotFoundError:
+            return None
+        try:
+            manifest = Manifest.from_json(data.decode())
+        except ValueError as error:
+            log.warning(
+                "unreadable COMMIT; checkpoint ignored",
+                checkpoint=self._url(name),
+                error=str(error),
+            )
+            return None
+        if f"step-{manifest.step}" != name:
+            log.warning(
+                "COMMIT names another step; checkpoint ignored",
+                checkpoint=self._url(name),
+                step=manifest.step,
+            )
+            return None
+        return manifest
+
+    def _latest(self) -> str | None:
+        try:
+            name = self.fs.cat_file(self._path(LATEST_FILE)).decode(errors="replace").strip()
+        except FileNotFoundError:
+            return None
+        return name if _STEP_DIR.fullmatch(name) else None
+
+    def _damage(self, checkpoint: CommittedPrefix) -> str | None:
+        """What is wrong with a committed checkpoint's files (``None``: they match)."""
+        for file, record in checkpoint.manifest.files.items():
+            url = self._url(f"{checkpoint.name}/{file}")
+            try:
+                with self.fs.open(self._path(f"{checkpoint.name}/{file}"), "rb") as opened:
+                    found = checksum(opened)
+            except FileNotFoundError:
+                return f"{url} is missing"
+            if found != record:
+                return (
+                    f"{url} has {found.size} bytes, CRC-32 {found.crc32:08x}; COMMIT says "
+                    f"{record.size} bytes, CRC-32 {record.crc32:08x}"
+                )
+        return None
+
+    def _remove(self, name: str) -> None:
+        """Delete checkpoint ``name``: ``COMMIT`` first, so it never looks committed while
+        half deleted, then the rest."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(f"{name}/{MANIFEST}"))
+        self.fs.rm(self._path(name), recursive=True)
+
+    def _remove_quietly(self, name: str) -> None:
+        """Delete what a failed save wrote, if it can (a prefix left uncommitted is harmless)."""
+        try:
+            self.fs.invalidate_cache()
+            if self.fs.exists(self._path(name)):
+                self._remove(name)
+        except Exception as error:  # the next checkpointer's first save deletes it
+            log.warning(
+                "could not delete a failed save", checkpoint=self._url(name), error=describe(error)
+            )
+
+
+def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    """fsspec's filesystem for ``url`` and the path of ``url`` on it.
+
+    :raises ConfigError: when fsspec, or the implementation the URL's protocol needs, is not
+        installed.
+    """
+    try:
+        from fsspec.core import url_to_fs  # type: ignore[import-untyped]
+        from fsspec.utils import get_protocol  # type: ignore[import-untyped]
+    except ImportError:
+        raise ConfigError(
+            "checkpoint.options.url",
+            "the fsspec backend needs fsspec and s3fs: pip install 'ups-ckpt[fsspec]'",
+        ) from None
+    options = dict(storage_options)
+    if get_protocol(url) in ("file", "local"):
+        options.setdefault("auto_mkdir", True)  # a folder per checkpoint, made as files go in
+    try:
+        fs, root = url_to_fs(url, **options)
+    except (ImportError, ValueError, TypeError) as error:  # "Install s3fs to access S3", ...
+        raise ConfigError("checkpoint.options", f"{url}: {describe(error)}") from None
+    return fs, str(root).rstrip("/")
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
