@@ -28,13 +28,18 @@ def project(
     resume: str,
     sampler: str = "torch",
     backend: str = "simple",
+    model: str = DROPOUT_MODEL,
+    model_options: dict[str, Any] | None = None,
+    comm_hook: dict[str, Any] | None = None,
     **training: Any,
 ) -> Path:
     """The tiny project with a dropout model (the RNG matters), 64 samples in batches of 4 on
-    2 ranks: 8 steps an epoch (fewer with accumulation), 3 epochs, checkpoints every 3 steps."""
+    2 ranks: 8 steps an epoch (fewer with accumulation), 3 epochs, checkpoints every 3 steps.
+    ``model``: the source of the model's module (``build_model(**model_options)``)."""
+    sections = {"comm_hook": comm_hook} if comm_hook else {}
     config = tiny_project(
         folder,
-        model={"factory": "drop.py:build_model"},
+        model={"factory": "drop.py:build_model", "options": model_options or {}},
         training={"epochs": 3, "batch_size": 4, "max_steps": max_steps, **training},
         sampler={"name": sampler},
         checkpoint={
@@ -43,8 +48,9 @@ def project(
             "resume": resume,
             "options": {"keep_last": 5},
         },
+        **sections,
     )
-    (folder / "drop.py").write_text(DROPOUT_MODEL)
+    (folder / "drop.py").write_text(model)
     return config
 
 
@@ -109,6 +115,33 @@ def test_a_stopped_and_resumed_run_ends_bitwise_equal_to_an_unstopped_one(
         assert_same(a[key], b[key])
     # The reports after the first one (whose window began at the stop) are the same too.
     assert rest.losses[1:] == whole.losses[-len(rest.losses) + 1 :]
+
+
+@pytest.mark.slow
+def test_powersgd_error_feedback_is_saved_per_rank_and_resumed_exactly(tmp_path: Path) -> None:
+    """pytorch/pytorch#75666: PowerSGD's error feedback and warm-start matrices are each
+    rank's own; a resumed run that lost them would drift from the unstopped one."""
+    hook = {
+        "name": "powersgd",
+        "options": {
+            "matrix_approximation_rank": 1,
+            "start_powersgd_iter": 2,
+            "min_compression_rate": 0.5,
+        },
+    }
+
+    def run(folder: str, steps: int) -> Any:
+        config = project(tmp_path / folder, steps, "latest", "tensor", "local", comm_hook=hook)
+        return train(config, nproc=2)
+
+    whole = run("whole", 14)
+    assert run("parts", 5).steps == 5
+    rest = run("parts", 14)
+    a, b = final_state(whole), final_state(rest)
+    errors = [own["comm_hook"]["error_dict"] for own in a["ranks"]]
+    assert errors[0] and not all(torch.equal(errors[0][i], errors[1][i]) for i in errors[0])
+    for key in ("model", "optimizer", "step", "ranks"):
+        assert_same(a[key], b[key])
 
 
 @pytest.mark.slow

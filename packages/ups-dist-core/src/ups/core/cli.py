@@ -6,11 +6,13 @@ Usage errors (bad config, unknown plugin, missing file) print one line and exit 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from . import launch, logs
@@ -119,6 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         codes = [failure.exitcode for failure in error.failures.values()]
         usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
         return EXIT_USAGE if usage else EXIT_FAILED
+    except SignalException as error:
+        # The agent was signalled (SLURM, a spot instance, kill): it passed the signal on to
+        # the ranks, which saved at their next step boundary and stopped (preempt_signals).
+        print(
+            f"ups: stopped by {signal.Signals(error.sigval).name}: the ranks saved where they "
+            "stopped; resume with -o checkpoint.resume=latest",
+            file=sys.stderr,
+        )
+        return 128 + error.sigval
     except KeyboardInterrupt:
         return 130
 

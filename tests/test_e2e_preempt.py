@@ -1,0 +1,98 @@
+"""Preemption: a signal makes every rank save at the same step boundary and stop cleanly; the
+run resumed from there ends bitwise equal to one never stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_e2e_resume import assert_same, final_state, project
+
+from ups.core import train
+
+SIGNALLING_MODEL = """
+import os
+import signal
+
+import torch
+from torch import nn
+
+
+def build_model(signal_at=0, signal_name="SIGUSR1", signal_rank=1):
+    '''The dropout model; rank ``signal_rank`` sends itself ``signal_name`` in its
+    ``signal_at``-th training forward pass (0: never).'''
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 1))
+    calls = [0]
+
+    def pre_forward(module, args):
+        calls[0] += module.training
+        if calls[0] == signal_at and int(os.environ.get("RANK", 0)) == signal_rank:
+            os.kill(os.getpid(), getattr(signal, signal_name))
+
+    model.register_forward_pre_hook(pre_forward)
+    return model
+"""
+
+
+def signalling_project(folder: Path, max_steps: int, resume: str, **options: object) -> Path:
+    return project(
+        folder, max_steps, resume, backend="local", model=SIGNALLING_MODEL, model_options=options
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name", ["SIGUSR1", "SIGTERM"])
+def test_a_signal_to_one_rank_stops_every_rank_at_one_step_saved(
+    tmp_path: Path, signal_name: str
+) -> None:
+    whole = train(signalling_project(tmp_path / "whole", 14, "none"), nproc=2)
+    parts = signalling_project(
+        tmp_path / "parts", 14, "latest", signal_at=5, signal_name=signal_name
+    )
+    stopped = train(parts, nproc=2)
+    # Rank 1 is signalled in step 5; every rank learns it one step later, saves and stops.
+    assert stopped.preempted
+    assert stopped.steps == 6
+    assert stopped.checkpoint is not None and stopped.checkpoint.endswith("step-6")
+    rest = train(signalling_project(tmp_path / "parts", 14, "latest"), nproc=2)
+    assert not rest.preempted
+    assert (rest.steps, rest.epochs) == (whole.steps, whole.epochs)
+    a, b = final_state(whole), final_state(rest)
+    for key in ("model", "optimizer", "step", "rng", "ranks"):
+        assert_same(a[key], b[key])
+
+
+@pytest.mark.slow
+def test_ups_train_signalled_saves_and_exits_without_a_traceback(tmp_path: Path) -> None:
+    config = signalling_project(tmp_path, 1_000_000, "none")
+    log = tmp_path / "runs" / "tiny" / "logs" / "rank0.jsonl"
+    env = {**os.environ, "UPS_LOG_FORMAT": "json"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 60
+    while not (log.is_file() and '"event": "step"' in log.read_text()):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err
+    assert "ups: stopped by SIGTERM" in err
+    checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
+    committed = sorted(p.name for p in checkpoints.glob("step-*") if (p / "COMMIT").is_file())
+    assert committed, "no checkpoint was committed"
+    assert (checkpoints / "latest").read_text().strip() == committed[-1] or committed
+    for rank in (0, 1):
+        text = (tmp_path / "runs" / "tiny" / "logs" / f"rank{rank}.jsonl").read_text()
+        assert "preempted: saving and stopping" in text
