@@ -16,8 +16,8 @@ manifest, ``latest`` pointer, retention and fallback to the newest checkpoint th
 
 A tensor is named by its path in the state (``model/0.weight``,
 ``optimizer/state/0/exp_avg``). Rank 0's state is the one kept: a rank offers DCP only the
-tensors equal to rank 0's (same dtype, shape and a 64-bit checksum of the bytes, computed on
-the tensor's device), DCP gives each tensor offered by several ranks to the one with the least
+tensors equal to rank 0's (same dtype, shape and 64-bit checksum of the bytes, computed on the
+tensor's device), DCP gives each tensor offered by several ranks to the one with the least
 to write so far, and a tensor that differs between ranks (each rank's RNG state) is written by
 rank 0. Each rank checksums the files it wrote, so no rank reads the whole state back to
 commit.
@@ -38,6 +38,7 @@ import os
 import pickle
 import re
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,8 @@ METADATA_FILE = "metadata"
 """DCP's index, in :data:`SHARDS` (DCP names it ``.metadata``; a manifest's names start with a
 letter or a digit)."""
 
-_CHUNK = 1 << 20
-"""Words of a tensor checksummed at a time."""
+_CHUNK = 1 << 22
+"""Words of a tensor checksummed at a time by :func:`weighted_sum`."""
 _MIX = 0x100000001B3
 _MASK = (1 << 64) - 1
 _SHARD_FILE = re.compile(r"shard-\d+-\d+\.distcp")
@@ -136,7 +137,7 @@ class ShardedCheckpointer(LocalCheckpointer):
             raise error
         if failed:
             ranks = ", ".join(str(f.rank) for f in failed)
-            raise CheckpointError(f"stopped: rank {ranks} failed")
+            raise CheckpointError(f"stopped: rank{'s' if len(failed) > 1 else ''} {ranks} failed")
 
     def _gather_records(self, shards: Path) -> dict[str, FileRecord]:
         """The records of the shard files each rank wrote, on rank 0 (``{}`` on the others).
@@ -218,23 +219,39 @@ def _prepare_load(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], 
 
 
 def fingerprint(tensor: torch.Tensor) -> _Print:
-    """The dtype, shape and a 64-bit checksum of the bytes of ``tensor``, computed on its
-    device: the sum of its 32-bit words (bytes, when they do not divide in words) times fixed
-    odd random weights, modulo 2**64, per chunk, the chunks' sums mixed in order."""
-    words = tensor.detach().reshape(-1).view(torch.uint8)
-    if words.numel() % 4 == 0:
-        words = words.view(torch.int32)
+    """The dtype, shape and a 64-bit checksum of the bytes of ``tensor``: on the CPU, their
+    CRC-32 and Adler-32 (zlib: GB/s); elsewhere, one computed on the tensor's device
+    (:func:`weighted_sum`), so that no rank copies the whole state off its device to check it."""
+    data = tensor.detach().reshape(-1).view(torch.uint8)
+    if data.device.type == "cpu":
+        buffer = data.numpy().data
+        check = zlib.crc32(buffer) << 32 | zlib.adler32(buffer)
+    else:
+        check = weighted_sum(data)
+    return tensor.dtype, tuple(tensor.shape), check
+
+
+def weighted_sum(data: torch.Tensor) -> int:
+    """A 64-bit checksum of the bytes ``data`` (a flat ``uint8`` tensor), computed on their
+    device: their 32-bit words (bytes, when they do not divide in words) times fixed odd random
+    weights, summed modulo 2**64 a chunk at a time, the chunks' sums mixed in order."""
+    words = data
+    if data.numel() % 4 == 0:  # a copy aligns a view that starts mid-word
+        words = (data if data.storage_offset() % 4 == 0 else data.clone()).view(torch.int32)
     weights = _weights(words.device)
+    sums = [
+        (part.to(torch.int64) * weights[: part.numel()]).sum()
+        for part in torch.split(words, _CHUNK)
+    ]
     total = 0
-    for start in range(0, words.numel(), _CHUNK):
-        part = words[start : start + _CHUNK].to(torch.int64)
-        total = (total * _MIX + int((part * weights[: part.numel()]).sum())) & _MASK
-    return tensor.dtype, tuple(tensor.shape), total
+    for chunk in torch.stack(sums).tolist():
+        total = (total * _MIX + chunk) & _MASK
+    return total
 
 
 @functools.cache
 def _weights(device: torch.device) -> torch.Tensor:
-    """The weights of :func:`fingerprint`, the same in every process, kept on ``device``."""
+    """The weights of :func:`weighted_sum`, the same in every process, kept on ``device``."""
     generator = torch.Generator().manual_seed(0x5EED)
     weights = torch.randint(-(2**63), 2**63 - 1, (_CHUNK,), generator=generator) | 1
     return weights.to(device)
