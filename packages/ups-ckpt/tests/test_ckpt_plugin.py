@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from ups.ckpt import LocalCheckpointer, LocalCheckpointOptions, expired
+from ups.ckpt import InBackground, LocalCheckpointer, LocalCheckpointOptions
+from ups.ckpt.plugin import local_backend
 from ups.core import CheckpointBackendPlugin, ConfigError, RunContext, load_plugins
 from ups.core.config import config_from_mapping
 from ups.core.launch import train_here
@@ -30,7 +29,7 @@ def test_the_local_backend_is_registered_by_the_entry_point() -> None:
     provided = registry.records("checkpoint")["local"]
     assert provided.plugin == "ups-ckpt"
     assert isinstance(provided.record, CheckpointBackendPlugin)
-    assert provided.record.factory is LocalCheckpointer
+    assert provided.record.factory is local_backend
     info = next(p for p in registry.plugins if p.name == "ups-ckpt")
     assert (info.distribution, info.status) == ("ups-ckpt", "enabled")
 
@@ -45,26 +44,13 @@ def test_options_are_checked_at_their_key_path() -> None:
         registry.select("checkpoint", "local", {"keep": 1}, "checkpoint")
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    steps=st.sets(st.integers(0, 50), max_size=12),
-    keep_last=st.integers(1, 6),
-    data=st.data(),
-)
-def test_retention_deletes_exactly_the_old_unprotected_steps(
-    steps: set[int], keep_last: int, data: st.DataObject
-) -> None:
-    protected = data.draw(st.one_of(st.none(), st.sampled_from(sorted(steps) or [0])))
-    deleted = expired(sorted(steps, reverse=True), keep_last, protected)
-    newest = sorted(steps)[-keep_last:]
-    assert deleted == sorted(deleted)
-    assert set(deleted) == steps - set(newest) - {protected}
-    assert protected not in deleted
-
-
-def test_retention_refuses_keeping_nothing() -> None:
-    with pytest.raises(ValueError, match="keep_last"):
-        expired([1, 2], 0)
+def test_async_save_wraps_the_backend_in_a_background_writer(tmp_path: Path) -> None:
+    options = LocalCheckpointOptions(async_save=True)
+    built = local_backend(ctx=RunContext(), directory=tmp_path, options=options)
+    assert isinstance(built, InBackground)
+    assert isinstance(built.inner, LocalCheckpointer)
+    plain = local_backend(ctx=RunContext(), directory=tmp_path, options=LocalCheckpointOptions())
+    assert isinstance(plain, LocalCheckpointer)
 
 
 def test_the_engine_trains_and_checkpoints_with_it(tmp_path: Path) -> None:
@@ -86,6 +72,6 @@ def test_the_engine_trains_and_checkpoints_with_it(tmp_path: Path) -> None:
     )
     loaded = ckpt.load_latest()
     assert loaded is not None
-    step, state = loaded
-    assert step == 6 and state["step"] == 6
-    assert set(state["model"]) == {"weight", "bias"}
+    assert loaded.step == 6 and loaded.state["step"] == 6
+    assert set(loaded.state["model"]) == {"weight", "bias"}
+    assert loaded.rank_state is not None and set(loaded.rank_state["rng"]) >= {"torch", "numpy"}

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch.distributed as dist
 
-from ups.core import RunContext, gather_failures
+from ups.core import RankFailedError, RunContext, decide, gather_failures
+
+T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
@@ -40,6 +45,21 @@ def agree(
     raise cls(f"{what} failed on rank{'s' if len(failed) > 1 else ''} {ranks}: {details}") from (
         error
     )
+
+
+def on_main(
+    ctx: RunContext, what: str, action: Callable[[], T], group: dist.ProcessGroup | None = None
+) -> T:
+    """Run ``action`` on rank 0 and hand its result to every rank; if it fails, raise a
+    :class:`CheckpointError` saying ``what`` failed and why, on every rank. A collective."""
+    try:
+        return decide(ctx, action, group=group)
+    except RankFailedError as error:
+        raise CheckpointError(f"{what} failed: {error}") from error
+    except CheckpointError:
+        raise
+    except Exception as error:  # not distributed: decide ran it here
+        raise CheckpointError(f"{what} failed: {describe(error)}") from error
 
 
 def describe(error: BaseException) -> str:

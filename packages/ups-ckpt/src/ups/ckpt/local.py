@@ -37,13 +37,13 @@ import attrs
 import structlog
 import torch.distributed as dist
 
-from ups.core import Loaded, RankFailedError, RunContext, at_least, decide
+from ups.core import Loaded, RunContext, at_least
 from ups.core.files import fsync_dir, write_atomically
 
-from .errors import CheckpointError, agree, describe
+from .errors import CheckpointError, agree, describe, on_main
 from .manifest import MANIFEST, Manifest
 from .retention import expired
-from .serialize import FileRecord, check_safe, checksum, dump, load
+from .serialize import FileRecord, agree_safe, checksum, dump, load
 
 log = structlog.get_logger()
 
@@ -115,12 +115,12 @@ class LocalCheckpointer:
         :raises UnsafeCheckpointError: when a state holds what loading would refuse.
         """
         what = f"saving checkpoint step {step}"
-        tmp = Path(self._on_main(what, lambda: str(self._begin(state, step))))
+        agree_safe(self.ctx, what, step=step, state=state, rank_state=rank_state, group=self.group)
+        tmp = Path(self._on_main(what, lambda: str(self._begin(step))))
         error: Exception | None = None
         written: dict[str, FileRecord] = {}
         try:
             written = self._write_state(tmp, state)
-            check_safe(rank_state)
             _write(tmp / _rank_file(self.ctx.rank), rank_state)
         except Exception as caught:  # every rank learns of it below
             error = caught
@@ -196,20 +196,9 @@ class LocalCheckpointer:
     # -- rank 0's parts -----------------------------------------------------------------------
 
     def _on_main(self, what: str, action: Callable[[], T]) -> T:
-        """Run ``action`` on rank 0 and hand its result (or failure) to every rank."""
-        try:
-            return decide(self.ctx, action, group=self.group)
-        except RankFailedError as error:
-            raise CheckpointError(f"{what} failed: {error}") from error
-        except Exception as error:  # not distributed: decide ran it here
-            if isinstance(error, CheckpointError):
-                raise
-            raise CheckpointError(f"{what} failed: {describe(error)}") from error
+        return on_main(self.ctx, what, action, self.group)
 
-    def _begin(self, state: Mapping[str, Any], step: int) -> Path:
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        check_safe(state)
+    def _begin(self, step: int) -> Path:
         if not self.folder.is_dir():
             self.folder.mkdir(parents=True, exist_ok=True)
             fsync_dir(self.folder.parent)

@@ -49,13 +49,13 @@ import attrs
 import structlog
 import torch.distributed as dist
 
-from ups.core import ConfigError, Loaded, RankFailedError, RunContext, at_least, decide
+from ups.core import ConfigError, Loaded, RunContext, at_least
 
-from .errors import CheckpointError, agree, describe
+from .errors import CheckpointError, agree, describe, on_main
 from .local import _STEP_DIR, LATEST_FILE, STATE_FILE, _rank_file
 from .manifest import MANIFEST, Manifest
 from .retention import expired
-from .serialize import FileRecord, check_safe, checksum, dump, load
+from .serialize import FileRecord, agree_safe, checksum, dump, load
 
 log = structlog.get_logger()
 
@@ -144,19 +144,11 @@ class FsspecCheckpointer:
         :raises UnsafeCheckpointError: when a state holds what loading would refuse.
         """
         what = f"saving checkpoint step {step} under {self.url}"
-        error: Exception | None = None
-        try:
-            if not isinstance(step, int) or step < 0:
-                raise ValueError(f"step must be an integer >= 0, got {step!r}")
-            check_safe(rank_state)
-            if self.ctx.is_main:
-                check_safe(state)
-        except Exception as caught:  # every rank learns of it below
-            error = caught
-        agree(self.ctx, what, error, self.group)
+        agree_safe(self.ctx, what, step=step, state=state, rank_state=rank_state, group=self.group)
         name = f"step-{step}"
         self._on_main(what, lambda: self._begin(name))
         written: dict[str, FileRecord] = {}
+        error: Exception | None = None
         try:
             if self.ctx.is_main:
                 written[STATE_FILE] = self._write(f"{name}/{STATE_FILE}", state)
@@ -216,15 +208,7 @@ class FsspecCheckpointer:
     # -- rank 0's parts -----------------------------------------------------------------------
 
     def _on_main(self, what: str, action: Callable[[], T]) -> T:
-        """Run ``action`` on rank 0 and hand its result (or failure) to every rank."""
-        try:
-            return decide(self.ctx, action, group=self.group)
-        except RankFailedError as error:
-            raise CheckpointError(f"{what} failed: {error}") from error
-        except CheckpointError:
-            raise
-        except Exception as error:  # not distributed: decide ran it here
-            raise CheckpointError(f"{what} failed: {describe(error)}") from error
+        return on_main(self.ctx, what, action, self.group)
 
     def _begin(self, name: str) -> None:
         """Clear the way for checkpoint ``name``: delete an older one of that step, and, at

@@ -15,13 +15,17 @@ import io
 import pickle
 import typing
 import zlib
+from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch.utils.serialization import config as serialization_config
 
-from .errors import CheckpointError, UnsafeCheckpointError
+from ups.core import RunContext
+
+from .errors import CheckpointError, UnsafeCheckpointError, agree
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -107,6 +111,33 @@ def check_safe(obj: Any) -> None:
             f"({unpickling_reason(error)}); save tensors, numbers, strings and "
             "lists/dicts of them"
         ) from None
+
+
+def agree_safe(
+    ctx: RunContext,
+    what: str,
+    *,
+    step: int,
+    state: Mapping[str, Any],
+    rank_state: Mapping[str, Any],
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Before a save writes or deletes anything: check ``step`` and that both states load
+    with ``weights_only=True`` (the replicated one on rank 0); raise on every rank if not.
+
+    :raises UnsafeCheckpointError: naming the objects loading would refuse.
+    :raises CheckpointError: for a bad step.
+    """
+    error: Exception | None = None
+    try:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        check_safe(rank_state)
+        if ctx.is_main:
+            check_safe(state)
+    except Exception as caught:  # every rank learns of it below
+        error = caught
+    agree(ctx, what, error, group)
 
 
 def _skeleton(obj: Any) -> Any:
