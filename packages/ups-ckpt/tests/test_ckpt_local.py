@@ -8,29 +8,30 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import torch
 
 import ups.ckpt
+import ups.ckpt.local
 from ups.ckpt import (
-    RNG_KEY,
     CheckpointError,
     LocalCheckpointer,
     LocalCheckpointOptions,
     UnsafeCheckpointError,
-    restore_rng,
 )
-from ups.core import RunContext
+from ups.core import Loaded, RunContext
 from ups.core.testing import run_ranks
 
 SINGLE = RunContext()
 
 
 def checkpointer(
-    directory: Path, keep_last: int = 3, ctx: RunContext = SINGLE
+    directory: Path, keep_last: int | None = 3, ctx: RunContext = SINGLE
 ) -> LocalCheckpointer:
     return LocalCheckpointer(
         ctx=ctx, directory=directory, options=LocalCheckpointOptions(keep_last=keep_last)
@@ -54,24 +55,29 @@ def _round_trip(ctx: RunContext, directory: str) -> dict[str, Any]:
     ckpt = checkpointer(Path(directory), ctx=ctx)
     empty = ckpt.load_latest()
     torch.manual_seed(100 + ctx.rank)
-    torch.rand(3)
     weights = torch.arange(6.0).reshape(2, 3) * (ctx.rank + 1)  # only rank 0's is kept
-    ckpt.save({"model": {"w": weights}, "step": 5}, step=5)
+    first = ckpt.save(
+        {"model": {"w": weights}, "step": 5},
+        step=5,
+        rank_state={"rng": torch.get_rng_state(), "rank": ctx.rank},
+    )
     torch.rand(3)
     rng_at_save = torch.get_rng_state()
-    location = ckpt.save({"model": {"w": weights + 1}, "step": 10}, step=10)
+    location = ckpt.save(
+        {"model": {"w": weights + 1}, "step": 10},
+        step=10,
+        rank_state={"rng": rng_at_save, "rank": ctx.rank},
+    )
     expected_next = torch.rand(4)
     torch.manual_seed(999)  # scramble, then restore from the checkpoint
-    loaded = ckpt.load_latest()
-    assert loaded is not None
-    step, state = loaded
-    restore_rng(state)
+    loaded = checkpointer(Path(directory), ctx=ctx).load_latest()  # a new instance, as on resume
+    assert loaded is not None and loaded.rank_state is not None
+    torch.set_rng_state(loaded.rank_state["rng"])
     return {
         "empty": empty,
+        "first": first,
         "location": location,
-        "step": step,
-        "w": state["model"]["w"],
-        "rng_matches": torch.equal(state[RNG_KEY]["torch"], rng_at_save),
+        "loaded": loaded,
         "next_matches": torch.equal(torch.rand(4), expected_next),
     }
 
@@ -82,47 +88,55 @@ def test_two_ranks_save_and_load_round_trip(tmp_path: Path) -> None:
     folder = tmp_path / "checkpoints"
     for rank, result in enumerate(results):
         assert result["empty"] is None
-        assert result["location"] == str(folder / "step-10")
-        assert result["step"] == 10
-        assert torch.equal(result["w"], torch.arange(6.0).reshape(2, 3) + 1)  # rank 0's state
-        assert result["rng_matches"], f"rank {rank} got another rank's RNG state"
-        assert result["next_matches"]
+        assert result["first"] == str(folder / "step-5")
+        assert result["location"] == str(folder / "step-10")  # the same path on every rank
+        loaded = result["loaded"]
+        assert isinstance(loaded, Loaded)
+        assert loaded.step == 10 and loaded.location == str(folder / "step-10")
+        assert torch.equal(loaded.state["model"]["w"], torch.arange(6.0).reshape(2, 3) + 1)
+        assert loaded.state["step"] == 10
+        assert loaded.rank_state is not None
+        assert loaded.rank_state["rank"] == rank, f"rank {rank} got another rank's state"
+        assert result["next_matches"], f"rank {rank}: its RNG state did not come back"
     assert names(folder) == ["latest", "step-10", "step-5"]
     assert (folder / "latest").read_text() == "step-10\n"
     commit = json.loads((folder / "step-10" / "COMMIT").read_text())
     assert commit["step"] == 10 and commit["world_size"] == 2
     assert set(commit["files"]) == {"state.pt", "rank-0.pt", "rank-1.pt"}
-    for name, size in commit["files"].items():
-        assert (folder / "step-10" / name).stat().st_size == size
+    for name, record in commit["files"].items():
+        data = (folder / "step-10" / name).read_bytes()
+        assert record == {"size": len(data), "crc32": zlib.crc32(data)}
     rank_states = [torch.load(folder / "step-10" / f"rank-{r}.pt") for r in (0, 1)]
-    assert not torch.equal(rank_states[0]["rng"]["torch"], rank_states[1]["rng"]["torch"])
+    assert [s["rank"] for s in rank_states] == [0, 1]
+    assert not torch.equal(rank_states[0]["rng"], rank_states[1]["rng"])
 
-    # Loaded by a world of another size: the state, without per-rank RNG states.
+    # Loaded by a world of another size: the state, and no rank state.
     loaded = checkpointer(tmp_path).load_latest()
     assert loaded is not None
-    assert loaded[0] == 10 and RNG_KEY not in loaded[1]
-
-
-class FailsOnRankOne(LocalCheckpointer):
-    def rank_state(self) -> dict[str, Any]:
-        if self.ctx.rank == 1:
-            raise OSError("disk full (simulated)")
-        return super().rank_state()
+    assert loaded.step == 10 and loaded.rank_state is None
+    assert torch.equal(loaded.state["model"]["w"], torch.arange(6.0).reshape(2, 3) + 1)
 
 
 def _one_rank_fails(ctx: RunContext, directory: str) -> str:
-    options = LocalCheckpointOptions()
-    checkpointer(Path(directory), ctx=ctx).save({"step": 1}, step=1)
-    failing = FailsOnRankOne(ctx=ctx, directory=Path(directory), options=options)
+    checkpointer(Path(directory), ctx=ctx).save({"step": 1}, step=1, rank_state={})
+    real_write = ups.ckpt.local._write
+
+    def disk_full(path: Path, obj: Any) -> Any:
+        if path.name == "rank-1.pt":
+            raise OSError("disk full (simulated)")
+        return real_write(path, obj)
+
     try:
-        failing.save({"step": 2}, step=2)
+        with pytest.MonkeyPatch.context() as patch:  # in this rank's process
+            patch.setattr(ups.ckpt.local, "_write", disk_full)
+            checkpointer(Path(directory), ctx=ctx).save({"step": 2}, step=2, rank_state={})
     except CheckpointError as error:
         message = str(error)
     else:
         raise AssertionError(f"rank {ctx.rank}: the failed save did not raise")
     # Every rank is still in step with the others: the next collective works.
     loaded = checkpointer(Path(directory), ctx=ctx).load_latest()
-    assert loaded is not None and loaded[0] == 1
+    assert loaded is not None and loaded.step == 1
     return message
 
 
@@ -130,8 +144,8 @@ def _one_rank_fails(ctx: RunContext, directory: str) -> str:
 def test_a_failure_on_one_rank_raises_on_every_rank_and_commits_nothing(tmp_path: Path) -> None:
     messages = run_ranks(_one_rank_fails, 2, str(tmp_path))
     for message in messages:
-        assert "saving checkpoint step 2 failed on rank 1" in message
-        assert "disk full (simulated)" in message
+        assert "saving checkpoint step 2 failed on rank 1:" in message
+        assert "OSError: disk full (simulated)" in message
     assert names(tmp_path / "checkpoints") == ["latest", "step-1"]  # no step-2, no .tmp left
 
 
@@ -140,17 +154,36 @@ def test_a_failure_on_one_rank_raises_on_every_rank_and_commits_nothing(tmp_path
 
 
 def test_save_writes_the_committed_layout(tmp_path: Path) -> None:
-    location = checkpointer(tmp_path).save({"step": 7, "w": torch.ones(2)}, step=7)
+    location = checkpointer(tmp_path).save(
+        {"step": 7, "w": torch.ones(2)}, step=7, rank_state={"mine": torch.zeros(1)}
+    )
     folder = tmp_path / "checkpoints"
     assert location == str(folder / "step-7")
     assert names(folder / "step-7") == ["COMMIT", "rank-0.pt", "state.pt"]
     assert (folder / "latest").read_text() == "step-7\n"
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]
+    assert torch.equal(torch.load(folder / "step-7" / "rank-0.pt")["mine"], torch.zeros(1))
+    [committed] = checkpointer(tmp_path).committed()
+    assert committed.step == 7 and committed.manifest.world_size == 1
+    assert set(committed.manifest.files) == {"rank-0.pt", "state.pt"}
+
+
+def test_load_latest_hands_back_this_ranks_state(tmp_path: Path) -> None:
+    ckpt = checkpointer(tmp_path)
+    assert ckpt.load_latest() is None
+    ckpt.save({"w": torch.ones(3)}, step=4, rank_state={"gen": torch.tensor([1, 2])})
+    loaded = ckpt.load_latest()
+    assert loaded is not None
+    assert loaded.step == 4 and loaded.location == str(tmp_path / "checkpoints" / "step-4")
+    assert torch.equal(loaded.state["w"], torch.ones(3))
+    assert loaded.rank_state is not None
+    assert torch.equal(loaded.rank_state["gen"], torch.tensor([1, 2]))
+    ckpt.wait()  # nothing in flight: returns at once
 
 
 def test_leftover_temporary_and_uncommitted_folders_are_ignored(tmp_path: Path) -> None:
     ckpt = checkpointer(tmp_path, keep_last=1)
-    ckpt.save({"w": torch.zeros(2)}, step=1)
+    ckpt.save({"w": torch.zeros(2)}, step=1, rank_state={})
     folder = tmp_path / "checkpoints"
     # A save that crashed before the rename (even after writing COMMIT) ...
     leftover = folder / ".tmp-step-9-deadbeef"
@@ -163,55 +196,114 @@ def test_leftover_temporary_and_uncommitted_folders_are_ignored(tmp_path: Path) 
     torch.save({"w": torch.full((2,), 8.0)}, uncommitted / "state.pt")
     (folder / "latest").write_text("step-8\n")
 
-    loaded = ckpt.load_latest()
+    with structlog.testing.capture_logs() as logs:
+        loaded = ckpt.load_latest()
     assert loaded is not None
-    step, state = loaded
-    assert step == 1 and torch.equal(state["w"], torch.zeros(2))
+    assert loaded.step == 1 and torch.equal(loaded.state["w"], torch.zeros(2))
+    assert {"event": "'latest' names no committed checkpoint", "latest": "step-8"}.items() <= (
+        logs[0].items()
+    )
 
-    ckpt.save({"w": torch.ones(2)}, step=2)  # retention (keep_last=1) must not touch them
+    # This instance swept at its first save: a .tmp folder made since may be a save in flight,
+    # and retention (keep_last=1) does not touch it, nor the uncommitted folder.
+    ckpt.save({"w": torch.ones(2)}, step=2, rank_state={})
     assert names(folder) == [".tmp-step-9-deadbeef", "latest", "step-2", "step-8"]
+
+
+def test_the_first_save_of_a_checkpointer_removes_what_crashed_saves_left(tmp_path: Path) -> None:
+    checkpointer(tmp_path).save({"w": torch.zeros(2)}, step=1, rank_state={})
+    folder = tmp_path / "checkpoints"
+    (folder / ".tmp-step-2-0badc0de").mkdir()
+    (folder / ".tmp-step-2-0badc0de" / "state.pt").write_bytes(b"half")
+    (folder / ".trash-step-0-0badc0de").mkdir()
+    (folder / ".trash-step-0-0badc0de" / "rank-0.pt").write_bytes(b"half deleted")
+    assert checkpointer(tmp_path).load_latest() is not None  # loading leaves them alone
+    assert len(names(folder)) == 4
+    checkpointer(tmp_path).save({"w": torch.ones(2)}, step=2, rank_state={})
+    assert names(folder) == ["latest", "step-1", "step-2"]
 
 
 def test_a_commit_naming_another_step_is_not_committed(tmp_path: Path) -> None:
     ckpt = checkpointer(tmp_path)
-    ckpt.save({"w": torch.zeros(1)}, step=3)
+    ckpt.save({"w": torch.zeros(1)}, step=3, rank_state={})
     folder = tmp_path / "checkpoints"
     os.rename(folder / "step-3", folder / "step-4")
     (folder / "latest").write_text("step-4\n")
-    assert ckpt.load_latest() is None
+    with structlog.testing.capture_logs() as logs:
+        assert ckpt.load_latest() is None
+    assert any(log["event"] == "COMMIT names another step; checkpoint ignored" for log in logs)
+
+
+def test_an_unreadable_commit_is_not_committed(tmp_path: Path) -> None:
+    ckpt = checkpointer(tmp_path)
+    ckpt.save({"w": torch.zeros(1)}, step=1, rank_state={})
+    ckpt.save({"w": torch.ones(1)}, step=2, rank_state={})
+    commit = tmp_path / "checkpoints" / "step-2" / "COMMIT"
+    commit.write_text(commit.read_text()[:40])  # torn
+    with structlog.testing.capture_logs() as logs:
+        loaded = ckpt.load_latest()
+    assert loaded is not None and loaded.step == 1
+    assert any(log["event"] == "unreadable COMMIT; checkpoint ignored" for log in logs)
 
 
 def test_retention_keeps_the_newest_and_what_latest_names(tmp_path: Path) -> None:
     ckpt = checkpointer(tmp_path, keep_last=2)
     folder = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):
-        ckpt.save({"step": step}, step=step)
+        ckpt.save({"step": step}, step=step, rank_state={})
     assert names(folder) == ["latest", "step-3", "step-4"]
     # Resumed from step 2 and saved step 3 again: `latest` names step-3; keep_last=1 keeps the
     # newest (step-4) and never deletes the checkpoint `latest` names.
     ckpt = checkpointer(tmp_path, keep_last=1)
-    ckpt.save({"step": 3, "again": True}, step=3)
+    ckpt.save({"step": 3, "again": True}, step=3, rank_state={})
     assert names(folder) == ["latest", "step-3", "step-4"]
     loaded = ckpt.load_latest()
     assert loaded is not None
-    assert loaded[0] == 3 and loaded[1]["again"] is True
-    ckpt.save({"step": 5}, step=5)
+    assert loaded.step == 3 and loaded.state["again"] is True
+    ckpt.save({"step": 5}, step=5, rank_state={})
     assert names(folder) == ["latest", "step-5"]
+
+
+def test_keep_last_none_keeps_everything(tmp_path: Path) -> None:
+    ckpt = checkpointer(tmp_path, keep_last=None)
+    for step in range(1, 6):
+        ckpt.save({"step": step}, step=step, rank_state={})
+    assert [c.step for c in ckpt.committed()] == [1, 2, 3, 4, 5]
 
 
 def test_a_damaged_checkpoint_is_reported_not_loaded(tmp_path: Path) -> None:
     ckpt = checkpointer(tmp_path)
-    ckpt.save({"w": torch.zeros(100)}, step=1)
-    state_file = tmp_path / "checkpoints" / "step-1" / "state.pt"
+    ckpt.save({"w": torch.zeros(100)}, step=1, rank_state={})
+    folder = tmp_path / "checkpoints"
+    state_file = folder / "step-1" / "state.pt"
     with open(state_file, "r+b") as file:
         file.truncate(state_file.stat().st_size // 2)
-    with pytest.raises(CheckpointError, match=r"state\.pt has \d+ bytes but COMMIT says"):
+    with (
+        structlog.testing.capture_logs() as logs,
+        pytest.raises(CheckpointError, match=rf"no checkpoint in {folder} verifies"),
+    ):
         ckpt.load_latest()
+    [warning] = logs
+    assert warning["checkpoint"] == str(folder / "step-1")
+    assert warning["damage"].startswith(f"{state_file} has {state_file.stat().st_size} bytes")
+    assert "COMMIT says" in warning["damage"]
 
 
-def test_the_reserved_key_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=RNG_KEY):
-        checkpointer(tmp_path).save({RNG_KEY: 1}, step=1)
+def test_a_missing_file_is_damage(tmp_path: Path) -> None:
+    ckpt = checkpointer(tmp_path)
+    ckpt.save({"w": torch.zeros(1)}, step=1, rank_state={})
+    ckpt.save({"w": torch.ones(1)}, step=2, rank_state={})
+    rank_file = tmp_path / "checkpoints" / "step-2" / "rank-0.pt"
+    rank_file.unlink()
+    with structlog.testing.capture_logs() as logs:
+        loaded = ckpt.load_latest()
+    assert loaded is not None and loaded.step == 1
+    assert logs[0]["damage"] == f"{rank_file} is missing"
+
+
+def test_a_bad_step_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="step must be an integer >= 0, got -1"):
+        checkpointer(tmp_path).save({}, step=-1, rank_state={})
     assert checkpointer(tmp_path).load_latest() is None
 
 
@@ -231,14 +323,15 @@ class RunsCode:
 
 def test_a_pickle_that_would_run_code_is_refused_on_load(tmp_path: Path) -> None:
     ckpt = checkpointer(tmp_path)
-    ckpt.save({"w": torch.zeros(1)}, step=1)
+    ckpt.save({"w": torch.zeros(1)}, step=1, rank_state={})
     marker = tmp_path / "pwned"
     state_file = tmp_path / "checkpoints" / "step-1" / "state.pt"
     state_file.unlink()
     torch.save({"w": RunsCode(marker)}, state_file)
     commit = tmp_path / "checkpoints" / "step-1" / "COMMIT"
     manifest = json.loads(commit.read_text())
-    manifest["files"]["state.pt"] = state_file.stat().st_size  # a consistent, hostile checkpoint
+    data = state_file.read_bytes()  # a consistent, hostile checkpoint
+    manifest["files"]["state.pt"] = {"size": len(data), "crc32": zlib.crc32(data)}
     commit.write_text(json.dumps(manifest))
 
     with pytest.raises(UnsafeCheckpointError, match=r"refusing to load .*state\.pt") as caught:
@@ -250,6 +343,14 @@ def test_a_pickle_that_would_run_code_is_refused_on_load(tmp_path: Path) -> None
 def test_a_state_that_could_not_be_loaded_back_is_not_committed(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     with pytest.raises(UnsafeCheckpointError, match="weights_only=True refuses"):
-        checkpointer(tmp_path).save({"w": RunsCode(marker)}, step=1)
+        checkpointer(tmp_path).save({"w": RunsCode(marker)}, step=1, rank_state={})
     assert not marker.exists()
-    assert names(tmp_path / "checkpoints") == []
+    assert not (tmp_path / "checkpoints").exists() or names(tmp_path / "checkpoints") == []
+
+
+def test_a_rank_state_that_could_not_be_loaded_back_is_not_committed(tmp_path: Path) -> None:
+    ckpt = checkpointer(tmp_path)
+    ckpt.save({"w": torch.zeros(1)}, step=1, rank_state={})
+    with pytest.raises(UnsafeCheckpointError, match="saving checkpoint step 2 failed on rank 0"):
+        ckpt.save({"w": torch.ones(1)}, step=2, rank_state={"x": RunsCode(tmp_path / "pwned")})
+    assert names(tmp_path / "checkpoints") == ["latest", "step-1"]  # its .tmp folder removed
