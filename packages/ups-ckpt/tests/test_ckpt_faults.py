@@ -406,11 +406,6 @@ def test_a_rank_killed_while_saving_loses_at_most_that_save(crashed: tuple[Stage
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="production gap: LocalCheckpointer._begin sweeps only .tmp-step-* and .trash-*; the "
-    "temporary file write_atomically leaves when killed before its os.replace stays forever",
-)
 def test_the_next_save_sweeps_a_temporary_latest_left_by_a_crash(tmp_path: Path) -> None:
     ckpt = LocalCheckpointer(ctx=RunContext(), directory=tmp_path, options=OPTIONS)
     ckpt.save({"step": 1}, step=1, rank_state={})

@@ -204,8 +204,12 @@ class LocalCheckpointer:
             fsync_dir(self.folder.parent)
         if not self._swept:  # what earlier runs left: no save of this run is in flight yet
             self._swept = True
-            for left in [*self.folder.glob(".tmp-step-*"), *self.folder.glob(".trash-*")]:
-                shutil.rmtree(left, ignore_errors=True)
+            for pattern in (".tmp-step-*", ".trash-*", f".{LATEST_FILE}-*"):
+                for left in self.folder.glob(pattern):
+                    if left.is_dir():
+                        shutil.rmtree(left, ignore_errors=True)
+                    else:
+                        left.unlink(missing_ok=True)
         while True:
             tmp = self.folder / f".tmp-step-{step}-{secrets.token_hex(4)}"
             try:
