@@ -205,3 +205,34 @@ def test_a_resume_on_other_data_is_refused(tmp_path: Path) -> None:
     assert train(project(tmp_path, 4, "latest"), nproc=1).steps == 4
     with pytest.raises(ConfigError, match=r"saved with dataset \[64\], this run has \[60\]"):
         train(project(tmp_path, 6, "latest"), nproc=1, overrides=["data.options.n=60"])
+
+
+FINGERPRINTED_DATA = """
+import torch
+
+
+class Fingerprinted(torch.utils.data.TensorDataset):
+    fingerprint = ""
+
+
+def build_dataset(n=64, fingerprint="v1"):
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+    data = Fingerprinted(x, x.sum(dim=1, keepdim=True))
+    data.fingerprint = fingerprint
+    return data
+"""
+
+
+@pytest.mark.slow
+def test_a_resume_on_data_with_another_fingerprint_is_refused(tmp_path: Path) -> None:
+    """Same size, other content: the dataset's own fingerprint tells them apart."""
+    (tmp_path / "fp.py").write_text(FINGERPRINTED_DATA)
+    data = ["data.factory=fp.py:build_dataset"]
+    assert train(project(tmp_path, 4, "latest"), nproc=1, overrides=data).steps == 4
+    changed = [*data, "data.options.fingerprint=v2"]
+    with pytest.raises(
+        ConfigError, match=r"saved with dataset \[64, 'v1'\], this run has \[64, 'v2'\]"
+    ):
+        train(project(tmp_path, 6, "latest"), nproc=1, overrides=changed)
+    accepted = [*changed, "checkpoint.allow_changed=[dataset]"]
+    assert train(project(tmp_path, 6, "latest"), nproc=1, overrides=accepted).steps == 6

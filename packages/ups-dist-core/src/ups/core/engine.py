@@ -373,12 +373,16 @@ class Run:
         return own
 
     def _identity(self) -> dict[str, Any]:
-        """What a resume must find unchanged, unless ``checkpoint.allow_changed`` says."""
+        """What a resume must find unchanged, unless ``checkpoint.allow_changed`` says. The
+        dataset is known by its size and its tasks' sizes, and by its own ``fingerprint``
+        (a string attribute, as Hugging Face datasets have ``_fingerprint``) where it has one."""
         parts = getattr(self.dataset, "datasets", None)
+        sizes = [len(part) for part in parts] if parts else [len(self.dataset)]
+        own = getattr(self.dataset, "fingerprint", getattr(self.dataset, "_fingerprint", None))
         return {
             "seed": self.config.run.seed,
             "accumulation_steps": self.config.training.accumulation_steps,
-            "dataset": [len(part) for part in parts] if parts else [len(self.dataset)],
+            "dataset": [*sizes, own] if isinstance(own, str) else sizes,
         }
 
     def _check_identity(self, step: int, saved: dict[str, Any]) -> None:
