@@ -20,7 +20,7 @@ def final_params(folder: Path, nproc: int, **sections: dict[str, Any]) -> dict[s
     config = tiny_project(folder, **sections)
     result = train(config, nproc=nproc)
     assert result.checkpoint is not None
-    return torch.load(result.checkpoint, weights_only=True)["model"]  # type: ignore[no-any-return]
+    return torch.load(result.checkpoint, weights_only=True)["state"]["model"]  # type: ignore[no-any-return]
 
 
 def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -116,6 +116,6 @@ def test_the_example_trains_with_the_multitask_and_exact_samplers(tmp_path: Path
     assert result.eval_metrics[-1]["samples"] == 33  # every evaluation sample once
     # The checkpoint holds where the sampler is: 2 ranks, 4 batches of 6 taken by each.
     assert result.checkpoint is not None
-    state = torch.load(result.checkpoint, weights_only=True)["sampler"]
+    state = torch.load(result.checkpoint, weights_only=True)["state"]["sampler"]
     assert state["sampler"] == "MultiTaskDistributedSampler"
     assert (state["epoch"], state["segments"], state["length"]) == (0, [[2, 24]], 60)
