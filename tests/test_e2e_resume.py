@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ups.core import ConfigError, train
-from ups.core.testing import run_ups, tiny_project
+from ups.core.testing import assert_bitwise_equal, run_ups, tiny_project
 
 DROPOUT_MODEL = """
 import torch
@@ -67,22 +67,6 @@ def final_state(result: Any) -> dict[str, Any]:
     return {**state, "ranks": [torch.load(p, weights_only=True) for p in ranks]}
 
 
-def assert_same(a: Any, b: Any) -> None:
-    """Equal to the bit: tensors by ``torch.equal``, containers element by element."""
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_same(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    else:
-        assert a == b
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("stop_at", "sampler", "backend", "training"),
@@ -112,7 +96,7 @@ def test_a_stopped_and_resumed_run_ends_bitwise_equal_to_an_unstopped_one(
     assert (rest.steps, rest.epochs) == (whole.steps, whole.epochs)
     a, b = final_state(whole), final_state(rest)
     for key in ("model", "optimizer", "step", "epoch", "epoch_left", "rng", "ranks"):
-        assert_same(a[key], b[key])
+        assert_bitwise_equal(a[key], b[key])
     # The reports after the first one (whose window began at the stop) are the same too.
     assert rest.losses[1:] == whole.losses[-len(rest.losses) + 1 :]
 
@@ -141,7 +125,7 @@ def test_powersgd_error_feedback_is_saved_per_rank_and_resumed_exactly(tmp_path:
     errors = [own["comm_hook"]["error_dict"] for own in a["ranks"]]
     assert errors[0] and not all(torch.equal(errors[0][i], errors[1][i]) for i in errors[0])
     for key in ("model", "optimizer", "step", "ranks"):
-        assert_same(a[key], b[key])
+        assert_bitwise_equal(a[key], b[key])
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ import ups.ckpt.local
 import ups.core.files
 from ups.ckpt import CheckpointError, LocalCheckpointer, LocalCheckpointOptions
 from ups.core import RunContext, distributed_session
-from ups.core.testing import free_port, torchrun_env
+from ups.core.testing import assert_bitwise_equal, free_port, torchrun_env
 
 OPTIONS = LocalCheckpointOptions(keep_last=2)
 TIMEOUT_S = 30.0
@@ -65,21 +65,6 @@ def own(step: int, rank: int, attempt: int = 0) -> dict[str, Any]:
         "noise": torch.rand(3, generator=gen, dtype=torch.float64),
         "rank": rank,
     }
-
-
-def assert_same_bits(found: Any, expected: Any, where: str = "state") -> None:
-    """Equal structure, and tensors of equal dtype, shape and bytes."""
-    assert type(found) is type(expected), f"{where}: {type(found)} != {type(expected)}"
-    if isinstance(expected, torch.Tensor):
-        assert (found.dtype, found.shape) == (expected.dtype, expected.shape), where
-        as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (found, expected)]
-        assert torch.equal(*as_bytes), f"{where}: the bytes differ"
-    elif isinstance(expected, dict):
-        assert found.keys() == expected.keys(), where
-        for key in expected:
-            assert_same_bits(found[key], expected[key], f"{where}[{key!r}]")
-    else:
-        assert found == expected, where
 
 
 def listing(folder: Path) -> list[str]:
@@ -261,10 +246,10 @@ def replacing_latest() -> None:
 
 
 def before_retention() -> None:
-    def expired(*args: Any, **kwargs: Any) -> NoReturn:
+    def prune(*args: Any, **kwargs: Any) -> NoReturn:
         die()
 
-    CHILD.setattr(ups.ckpt.local, "expired", expired)
+    CHILD.setattr(ups.ckpt.local, "prune", prune)
 
 
 def during_retention() -> None:
@@ -383,7 +368,7 @@ def test_a_rank_killed_while_saving_loses_at_most_that_save(crashed: tuple[Stage
     loaded = alone.load_latest()
     assert loaded is not None
     assert (loaded.step, loaded.location) == (stage.loads, str(folder / f"step-{stage.loads}"))
-    assert_same_bits(loaded.state, expected)
+    assert_bitwise_equal(loaded.state, expected)
     assert loaded.rank_state is None  # saved by two ranks
 
     # Two ranks: each its own state too; then the next save commits and sweeps the leftovers.
@@ -391,14 +376,14 @@ def test_a_rank_killed_while_saving_loses_at_most_that_save(crashed: tuple[Stage
     following = stage.loads + 1
     for rank, result in enumerate(results):
         assert result["loaded"].step == stage.loads
-        assert_same_bits(result["loaded"].state, expected)
-        assert_same_bits(
+        assert_bitwise_equal(result["loaded"].state, expected)
+        assert_bitwise_equal(
             result["loaded"].rank_state, own(stage.loads, rank, attempt), f"rank {rank}"
         )
         assert result["location"] == str(folder / f"step-{following}")
         assert result["again"].step == following
-        assert_same_bits(result["again"].state, replicated(following, 2))
-        assert_same_bits(result["again"].rank_state, own(following, rank, 2), f"rank {rank}")
+        assert_bitwise_equal(result["again"].state, replicated(following, 2))
+        assert_bitwise_equal(result["again"].rank_state, own(following, rank, 2), f"rank {rank}")
     assert [n for n in listing(folder) if not n.startswith(".latest-")] == [
         "latest",
         f"step-{stage.loads}",

@@ -29,7 +29,7 @@ from ups.ckpt import (
 )
 from ups.ckpt.plugin import fsspec_backend
 from ups.core import ConfigError, RunContext, load_plugins, train
-from ups.core.testing import run_ranks, tiny_project
+from ups.core.testing import assert_bitwise_equal, run_ranks, tiny_project
 
 if TYPE_CHECKING:
     from s3 import S3Prefix
@@ -322,22 +322,6 @@ def project(folder: Path, s3: S3Prefix, max_steps: int) -> Path:
     )
 
 
-def assert_same(a: Any, b: Any) -> None:
-    """Equal to the bit: tensors by ``torch.equal``, containers element by element."""
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_same(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    else:
-        assert a == b
-
-
 def final_state(location: str | None, s3: S3Prefix) -> dict[str, Any]:
     assert location is not None and location.startswith(s3.url)
     with fsspec.open(f"{location}/state.pt", "rb", **s3.storage_options) as file:
@@ -354,6 +338,6 @@ def test_a_run_stopped_and_resumed_from_s3_ends_bitwise_equal(tmp_path: Path, s3
     a, b = final_state(whole.checkpoint, s3), final_state(rest.checkpoint, s3)
     assert b["step"] == 10
     for key in ("model", "optimizer", "step", "epoch", "epoch_left", "rng"):
-        assert_same(a[key], b[key])
+        assert_bitwise_equal(a[key], b[key])
     # The reports after the first one (whose window began at the stop) are the same too.
     assert rest.losses[1:] == whole.losses[-len(rest.losses) + 1 :]

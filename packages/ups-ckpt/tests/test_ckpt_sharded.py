@@ -25,7 +25,7 @@ from ups.ckpt.plugin import sharded_backend
 from ups.ckpt.serialize import checksum
 from ups.ckpt.sharded import fingerprint, read_metadata, split, weighted_sum
 from ups.core import Loaded, RunContext, train
-from ups.core.testing import run_ranks, tiny_project
+from ups.core.testing import assert_bitwise_equal, run_ranks, tiny_project
 
 SINGLE = RunContext()
 
@@ -50,23 +50,6 @@ def training_state(rank: int) -> dict[str, Any]:
         "left": [3, (1, "a"), None],
         "rng": torch.get_rng_state(),
     }
-
-
-def assert_identical(a: Any, b: Any) -> None:
-    """The same values and containers; tensors equal to the bit, dtype included."""
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for key in a:
-            assert_identical(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_identical(x, y)
-    else:
-        assert a == b
 
 
 def shard_sizes(checkpoint: Path) -> dict[str, int]:
@@ -187,7 +170,7 @@ def test_two_ranks_each_write_a_share_and_load_the_whole_state(tmp_path: Path) -
         assert result["location"] == str(step_7)
         for loaded, step in ((result["loaded"], 7), (result["async"], 8)):
             assert isinstance(loaded, Loaded) and loaded.step == step
-            assert_identical(loaded.state, expected)  # rank 0's generator state included
+            assert_bitwise_equal(loaded.state, expected)  # rank 0's generator state included
             assert loaded.rank_state is not None and loaded.rank_state["rank"] == rank
         assert torch.equal(result["loaded"].rank_state["t"], torch.ones(2) * rank)
         assert "saving checkpoint step 9 failed on rank" in result["failure"]
@@ -208,7 +191,7 @@ def test_two_ranks_each_write_a_share_and_load_the_whole_state(tmp_path: Path) -
     # Loaded by one process: the whole state, no rank's own state.
     loaded = checkpointer(tmp_path / "sync").load_latest()
     assert loaded is not None and loaded.rank_state is None
-    assert_identical(loaded.state, expected)
+    assert_bitwise_equal(loaded.state, expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +217,7 @@ def test_one_process_writes_the_layout_and_loads_it_back(tmp_path: Path) -> None
     }
     loaded = checkpointer(tmp_path).load_latest()
     assert loaded is not None and loaded.rank_state == {"r": 0}
-    assert_identical(loaded.state, state)
+    assert_bitwise_equal(loaded.state, state)
 
 
 def test_a_folder_without_commit_is_never_loaded(tmp_path: Path) -> None:
@@ -335,6 +318,6 @@ def test_a_run_resumed_from_a_sharded_checkpoint_ends_bitwise_equal(tmp_path: Pa
         assert loaded is not None and loaded.step == 12
         finals.append(loaded.state)
     for key in ("model", "optimizer", "step", "epoch", "epoch_left", "rng", "sampler"):
-        assert_identical(finals[0][key], finals[1][key])
+        assert_bitwise_equal(finals[0][key], finals[1][key])
     # The reports after the first one of the resumed run (its window began at the stop).
     assert rest.losses[1:] == whole.losses[len(whole.losses) - len(rest.losses) + 1 :]

@@ -40,9 +40,9 @@ import torch.distributed as dist
 from ups.core import Loaded, RunContext, at_least
 from ups.core.files import fsync_dir, write_atomically
 
-from .errors import CheckpointError, agree, describe, on_main
+from .errors import CheckpointError, agree, on_main
 from .manifest import MANIFEST, Manifest
-from .retention import expired
+from .retention import prune
 from .serialize import FileRecord, agree_safe, checksum, dump, load
 
 log = structlog.get_logger()
@@ -257,24 +257,13 @@ class LocalCheckpointer:
         return str(final)
 
     def _retain(self, protect: int) -> None:
-        committed = {c.step: c for c in self.committed()}
-        doomed = expired(
-            list(committed),
+        prune(
+            {c.step: str(c.path) for c in self.committed()},
+            lambda path: _remove(Path(path), self.folder),
             keep_last=self.options.keep_last,
             keep_every=self.options.keep_every,
             protected=protect,
         )
-        for step in doomed:
-            try:
-                _remove(committed[step].path, self.folder)
-            except OSError as error:
-                log.warning(
-                    "could not delete an old checkpoint",
-                    checkpoint=str(committed[step].path),
-                    error=describe(error),
-                )
-            else:
-                log.debug("old checkpoint deleted", checkpoint=str(committed[step].path))
 
     def _find_latest(self) -> tuple[str, int, int] | None:
         """The checkpoint ``latest`` names, else the newest committed one, if it verifies;

@@ -3,55 +3,48 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Protocol
+
+import torch.distributed as dist
 
 from ups.core import CheckpointBackendPlugin, Checkpointer, RunContext, hookimpl
+from ups.core.records import CheckpointFactory
 
-from .background import InBackground
+from .background import InBackground, Locating
 from .local import LocalCheckpointer, LocalCheckpointOptions
 from .remote import FsspecCheckpointer, FsspecCheckpointOptions
 from .sharded import ShardedCheckpointer
 
 
-def local_backend(
-    *, ctx: RunContext, directory: Path, options: LocalCheckpointOptions
-) -> Checkpointer:
-    """The ``local`` backend, writing in the background when ``options.async_save``."""
-    if not options.async_save:
-        return LocalCheckpointer(ctx=ctx, directory=directory, options=options)
-    return InBackground(
-        ctx=ctx,
-        build=lambda group: LocalCheckpointer(
-            ctx=ctx, directory=directory, options=options, group=group
-        ),
-    )
+class _Backend(Protocol):
+    """A checkpointer class of this package: built with the process group it is to use."""
+
+    def __call__(
+        self,
+        *,
+        ctx: RunContext,
+        directory: Path,
+        options: Any,
+        group: dist.ProcessGroup | None = None,
+    ) -> Locating: ...
 
 
-def fsspec_backend(
-    *, ctx: RunContext, directory: Path, options: FsspecCheckpointOptions
-) -> Checkpointer:
-    """The ``fsspec`` backend, writing in the background when ``options.async_save``."""
-    if not options.async_save:
-        return FsspecCheckpointer(ctx=ctx, directory=directory, options=options)
-    return InBackground(
-        ctx=ctx,
-        build=lambda group: FsspecCheckpointer(
-            ctx=ctx, directory=directory, options=options, group=group
-        ),
-    )
+def backend(build: _Backend) -> CheckpointFactory:
+    """The factory of a backend: ``build``'s checkpointer, wrapped in a background writer
+    (:class:`~ups.ckpt.background.InBackground`) when ``options.async_save``."""
+
+    def factory(*, ctx: RunContext, directory: Path, options: Any) -> Checkpointer:
+        def make(group: dist.ProcessGroup | None) -> Locating:
+            return build(ctx=ctx, directory=directory, options=options, group=group)
+
+        return InBackground(ctx=ctx, build=make) if options.async_save else make(None)
+
+    return factory
 
 
-def sharded_backend(
-    *, ctx: RunContext, directory: Path, options: LocalCheckpointOptions
-) -> Checkpointer:
-    """The ``sharded`` backend, writing in the background when ``options.async_save``."""
-    if not options.async_save:
-        return ShardedCheckpointer(ctx=ctx, directory=directory, options=options)
-    return InBackground(
-        ctx=ctx,
-        build=lambda group: ShardedCheckpointer(
-            ctx=ctx, directory=directory, options=options, group=group
-        ),
-    )
+local_backend = backend(LocalCheckpointer)
+sharded_backend = backend(ShardedCheckpointer)
+fsspec_backend = backend(FsspecCheckpointer)
 
 
 @hookimpl

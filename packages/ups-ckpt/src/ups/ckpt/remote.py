@@ -49,12 +49,12 @@ import attrs
 import structlog
 import torch.distributed as dist
 
-from ups.core import ConfigError, Loaded, RunContext, at_least
+from ups.core import ConfigError, Loaded, RunContext
 
 from .errors import CheckpointError, agree, describe, on_main
-from .local import _STEP_DIR, LATEST_FILE, STATE_FILE, _rank_file
+from .local import _STEP_DIR, LATEST_FILE, STATE_FILE, LocalCheckpointOptions, _rank_file
 from .manifest import MANIFEST, Manifest
-from .retention import expired
+from .retention import prune
 from .serialize import FileRecord, agree_safe, checksum, dump, load
 
 log = structlog.get_logger()
@@ -73,8 +73,8 @@ def _keys_only(options: dict[str, Any]) -> str:
 
 
 @attrs.frozen(kw_only=True)
-class FsspecCheckpointOptions:
-    """Options of the ``fsspec`` backend."""
+class FsspecCheckpointOptions(LocalCheckpointOptions):
+    """Options of the ``fsspec`` backend: those of ``local``, and where to keep them."""
 
     url: str = attrs.field(validator=_url_given)
     """Where the checkpoints go: ``s3://bucket/run1/checkpoints``, ``gs://...``, ``az://...``,
@@ -82,14 +82,6 @@ class FsspecCheckpointOptions:
     storage_options: dict[str, Any] = attrs.field(factory=dict, repr=_keys_only)
     """Passed to the filesystem as they are (s3fs: ``endpoint_url``, ``client_kwargs``, ...);
     never logged. Keys and secrets belong in the environment (``AWS_ACCESS_KEY_ID``, ...)."""
-    keep_last: int | None = attrs.field(default=3, validator=at_least(1))
-    """How many of the newest committed checkpoints to keep; older ones are deleted after a
-    save commits (``null``: keep all). The checkpoint ``latest`` names is never deleted."""
-    keep_every: int | None = attrs.field(default=None, validator=at_least(1))
-    """Also keep every checkpoint whose step is a multiple of this (``null``: none kept for it)."""
-    async_save: bool = False
-    """Write in the background: ``save`` returns once the state is copied, and training goes
-    on while it is uploaded and committed (one save in flight at a time)."""
 
 
 @attrs.frozen
@@ -254,25 +246,13 @@ class FsspecCheckpointer:
         return self._url(name)
 
     def _retain(self, protect: int) -> None:
-        committed = {c.step: c for c in self.committed()}
-        doomed = expired(
-            list(committed),
+        prune(
+            {c.step: c.name for c in self.committed()},
+            self._remove,
             keep_last=self.options.keep_last,
             keep_every=self.options.keep_every,
             protected=protect,
         )
-        for step in doomed:
-            name = committed[step].name
-            try:
-                self._remove(name)
-            except Exception as error:  # the next save tries again
-                log.warning(
-                    "could not delete an old checkpoint",
-                    checkpoint=self._url(name),
-                    error=describe(error),
-                )
-            else:
-                log.debug("old checkpoint deleted", checkpoint=self._url(name))
 
     def _find(self) -> tuple[str, int, int] | None:
         """The checkpoint ``latest`` names, else the newest committed one, if it verifies;

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+import structlog
+
+from .errors import describe
+
+log = structlog.get_logger()
 
 
 def expired(
@@ -30,3 +36,28 @@ def expired(
         for step in ordered[:-keep_last]
         if step != protected and not (keep_every and step % keep_every == 0)
     ]
+
+
+def prune(
+    committed: Mapping[int, str],
+    remove: Callable[[str], None],
+    *,
+    keep_last: int | None,
+    keep_every: int | None,
+    protected: int,
+) -> None:
+    """Delete, with ``remove``, each committed checkpoint (``{step: location}``) that
+    :func:`expired` lets go. A deletion that fails is logged; the next save tries again."""
+    for step in expired(
+        list(committed), keep_last=keep_last, keep_every=keep_every, protected=protected
+    ):
+        try:
+            remove(committed[step])
+        except Exception as error:  # the next save tries again
+            log.warning(
+                "could not delete an old checkpoint",
+                checkpoint=committed[step],
+                error=describe(error),
+            )
+        else:
+            log.debug("old checkpoint deleted", checkpoint=committed[step])

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 import yaml
 
 from .context import distributed_session
@@ -191,3 +192,24 @@ def _child(
             queue.put((rank, True, pickle.dumps(fn(ctx, *args))))
     except BaseException:  # reported to the parent with its traceback
         queue.put((rank, False, traceback.format_exc()))
+
+
+def assert_bitwise_equal(found: Any, expected: Any, where: str = "state") -> None:
+    """Assert that two states are equal to the bit: the same container types and keys, and
+    tensors of the same dtype, shape and bytes (so NaN equals NaN, and -0.0 differs from 0.0).
+    The message names the path of the first difference (``state['model']['0.weight']``)."""
+    assert type(found) is type(expected), f"{where}: {type(found)} != {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert (found.dtype, found.shape) == (expected.dtype, expected.shape), where
+        as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (found, expected)]
+        assert torch.equal(*as_bytes), f"{where}: the bytes differ"
+    elif isinstance(expected, dict):
+        assert list(found) == list(expected), f"{where}: keys {list(found)} != {list(expected)}"
+        for key in expected:
+            assert_bitwise_equal(found[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, list | tuple):
+        assert len(found) == len(expected), f"{where}: length {len(found)} != {len(expected)}"
+        for i, (x, y) in enumerate(zip(found, expected, strict=True)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert found == expected, f"{where}: {found!r} != {expected!r}"
