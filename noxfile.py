@@ -148,3 +148,13 @@ def bench_samplers(session: nox.Session) -> None:
     ``nox -s bench_samplers``; small runs: ``nox -s bench_samplers -- --size 1000000``."""
     install(session, "core", "samplers")
     session.run("python", "benchmarks/bench_samplers.py", *session.posargs)
+
+
+@nox.session(name="bench_ckpt", default=False)
+def bench_ckpt(session: nox.Session) -> None:
+    """Benchmark ups-ckpt's saves against a bare ``torch.save`` of the same state (a model of
+    10^8 parameters and Adam's state, 1.2 GB): synchronous ``local`` and ``sharded`` saves, the
+    stall of a background save; see benchmarks/README.md. Not a default session:
+    ``nox -s bench_ckpt``; small runs: ``nox -s bench_ckpt -- --params 1000000 --repeats 1``."""
+    install(session, "core", "ckpt")
+    session.run("python", "benchmarks/bench_ckpt.py", *session.posargs)
