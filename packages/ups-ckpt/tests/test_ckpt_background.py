@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ups.ckpt.local
-from ups.ckpt import CheckpointError, InBackground, LocalCheckpointOptions, stage
+from ups.ckpt import CheckpointError, InBackground, LocalCheckpointOptions, Stager, stage
 from ups.ckpt.plugin import local_backend
 from ups.core import RunContext
 from ups.core.testing import run_ranks
@@ -252,3 +252,19 @@ def test_in_one_process_a_save_commits_by_wait(tmp_path: Path) -> None:
     assert loaded is not None and loaded.rank_state is not None
     assert torch.equal(loaded.state["w"], torch.zeros(3))
     assert torch.equal(loaded.rank_state["mine"], torch.zeros(3))
+
+
+def test_a_stager_reuses_its_buffers_for_a_state_of_the_same_shapes() -> None:
+    stager = Stager()
+    model = OrderedDict(w=torch.ones(3), b=torch.zeros(2))
+    first = stager.stage({"model": model, "step": 1})
+    pointers = {k: t.data_ptr() for k, t in first["model"].items()}
+    model["w"].add_(1)  # training goes on; the first copy was written, the next save begins
+    second = stager.stage({"model": model, "step": 2})
+    assert {k: t.data_ptr() for k, t in second["model"].items()} == pointers
+    assert torch.equal(second["model"]["w"], torch.full((3,), 2.0)) and second["step"] == 2
+    # A tensor of another shape gets a new buffer; buffers of keys gone are let go.
+    third = stager.stage({"model": OrderedDict(w=torch.ones(4))})
+    assert third["model"]["w"].data_ptr() != pointers["w"]
+    assert torch.equal(third["model"]["w"], torch.ones(4))
+    assert len(stager._buffers) == 1

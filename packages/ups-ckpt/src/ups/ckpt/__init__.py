@@ -7,7 +7,7 @@ pointer); see :mod:`ups.ckpt.local`. Select it in the config with
 background (:mod:`ups.ckpt.background`).
 """
 
-from .background import InBackground, stage
+from .background import InBackground, Stager, stage
 from .errors import CheckpointError, UnsafeCheckpointError
 from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
 from .manifest import Manifest
@@ -27,6 +27,7 @@ __all__ = [
     "LocalCheckpointer",
     "Manifest",
     "ShardedCheckpointer",
+    "Stager",
     "UnsafeCheckpointError",
     "expired",
     "stage",

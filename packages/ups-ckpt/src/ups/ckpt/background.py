@@ -1,9 +1,9 @@
 """Saving in the background: stage on the training thread, write on another, one at a time.
 
 :class:`InBackground` wraps a backend's synchronous checkpointer. ``save`` waits for the save
-before it (one in flight), copies the state (tensors to new CPU memory, so training may change
-its own at once), hands the copy to a writer thread and returns: training stalls for the copy
-only. The writer calls the wrapped checkpointer, whose collectives (agreeing on failures,
+before it (one in flight), copies the state (tensors to CPU buffers kept from one save to the
+next, :class:`Stager`, so training may change its own at once), hands the copy to a writer
+thread and returns: training stalls for the copy only. The writer calls the wrapped checkpointer, whose collectives (agreeing on failures,
 committing) run on a process group of their own, made for it, so they can never interleave
 with, or deadlock against, the training's collectives on the default group. A failed save is
 raised, on every rank, by the next ``save``, ``load_latest`` or ``wait``.
@@ -48,14 +48,17 @@ class InBackground:
             group = dist.new_group(backend="gloo", timeout=timeout)
         self.inner = build(group)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ups-ckpt")
+        self._stager = Stager()
         self._in_flight: concurrent.futures.Future[str] | None = None
 
     def save(self, state: Mapping[str, Any], *, step: int, rank_state: Mapping[str, Any]) -> str:
         """Wait for the save before, copy the states, start writing them; return where the
         checkpoint will be once committed."""
         self.wait()
-        staged, own = stage(state), stage(rank_state)
-        self._in_flight = self._writer.submit(self.inner.save, staged, step=step, rank_state=own)
+        staged = self._stager.stage({"state": state, "rank_state": rank_state})
+        self._in_flight = self._writer.submit(
+            self.inner.save, staged["state"], step=step, rank_state=staged["rank_state"]
+        )
         return self.inner.location(step)
 
     def load_latest(self) -> Loaded | None:
@@ -69,14 +72,50 @@ class InBackground:
             in_flight.result()
 
 
+class Stager:
+    """Copies states into CPU buffers it keeps from one save to the next.
+
+    The first copy of a state goes to new memory, and most of its cost is the kernel mapping
+    that memory in; every later copy of a state of the same shapes goes into the same buffers,
+    already mapped: a plain memory copy (pinned memory for CUDA tensors, so that the copy from
+    the device is a DMA). The price is one copy of the state in host memory for the whole run,
+    as every background checkpointer pays. A buffer is reused only once the save that read it
+    has finished (:class:`InBackground` waits for it before staging again).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, obj: Any) -> Any:
+        """A copy of ``obj`` that training cannot change: every tensor copied to CPU memory
+        of the stager's, the containers rebuilt, other values (numbers, strings) shared."""
+        used: set[str] = set()
+        staged = self._copy(obj, "", used)
+        for path in self._buffers.keys() - used:  # states whose keys changed
+            del self._buffers[path]
+        return staged
+
+    def _copy(self, obj: Any, path: str, used: set[str]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj.detach(), path, used)
+        if isinstance(obj, dict):  # an OrderedDict (a module's state dict) stays one
+            copied = {k: self._copy(v, f"{path}/{k!r}", used) for k, v in obj.items()}
+            return copied if type(obj) is dict else type(obj)(copied)
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(v, f"{path}/{i}", used) for i, v in enumerate(obj))
+        return obj
+
+    def _tensor(self, tensor: torch.Tensor, path: str, used: set[str]) -> torch.Tensor:
+        if tensor.layout != torch.strided:  # sparse and the like: a copy of their own
+            return tensor.to("cpu", copy=True)
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self._buffers[path] = buffer
+        used.add(path)
+        return buffer.copy_(tensor)
+
+
 def stage(obj: Any) -> Any:
-    """A copy of a state that training cannot change: every tensor copied to new CPU memory,
-    the containers rebuilt, other values (numbers, strings) shared."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):  # an OrderedDict (a module's state dict) stays one
-        copied = {k: stage(v) for k, v in obj.items()}
-        return copied if type(obj) is dict else type(obj)(copied)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(stage(v) for v in obj)
-    return obj
+    """A copy of a state that training cannot change, in new CPU memory (see :class:`Stager`)."""
+    return Stager().stage(obj)
