@@ -6,7 +6,8 @@ signal at the same step, or at all (SLURM may signal the batch step only), so no
 on its own: each step every rank posts whether it was signalled to an all-reduce that runs in
 the background, and reads the previous step's result. One step after any rank was signalled,
 every rank learns it at the same step, saves, and stops. The cost is one asynchronous
-all-reduce of one number per step, never waited for while it runs.
+all-reduce of one number per step, never waited for while it runs (none when no signal is
+watched).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Preemption:
     def agreed(self) -> bool:
         """Whether any rank was signalled by the previous call (every rank calls this once
         per step; the answer is the same on every rank)."""
-        if not self.ctx.distributed:
+        if not self.ctx.distributed or not self.signals:  # nothing to agree on
             self.stopped = self.received is not None
             return self.stopped
         stop = False
