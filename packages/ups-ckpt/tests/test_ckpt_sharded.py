@@ -294,7 +294,7 @@ def _train(folder: Path, max_steps: int) -> Any:
         folder,
         model={"factory": "dropout_net.py:build"},
         training={"epochs": 2, "batch_size": 4, "max_steps": max_steps},
-        sampler={"name": "tensor"},
+        sampler={"name": "torch"},
         checkpoint={
             "name": "sharded",
             "every_steps": 3,
