@@ -24,6 +24,8 @@ PACKAGES = {
     "cloud": "ups-cloud",
 }
 TOOLS = {"ruff": "ruff==0.17.6", "mypy": "mypy==2.4.1"}
+CONSTRAINTS = ROOT / "constraints-ci.txt"
+"""Exact versions of the S3 test stack, which pip's resolver otherwise backtracks through."""
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
@@ -59,7 +61,7 @@ def install(session: nox.Session, *short_names: str) -> None:
     their modules are imported from the tree, never from a stale installed copy."""
     dists = [PACKAGES[n] for n in short_names]
     needs = sorted({r for d in dists for r in requirements(d)})
-    session.install(TORCH, *(r for r in needs if not r.startswith("torch")))
+    session.install("-c", str(CONSTRAINTS), TORCH, *(r for r in needs if not r.startswith("torch")))
     # --no-deps: each plugin package's ups-dist-core requirement names the tree's copy, which
     # is already here, editable.
     session.install("--no-deps", *(arg for d in dists for arg in ("-e", f"packages/{d}")))
