@@ -83,7 +83,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,6 +90,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from _stats import source_state, summary
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -441,10 +442,6 @@ def measure(order: list[str], args: argparse.Namespace, folder: Path) -> dict[st
     return record
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def ratio(values: list[float], target: float | None, at_least: bool) -> dict[str, Any]:
     """The median, min and max of per-round ratios, against ``target``."""
     result: dict[str, Any] = {"per_round": values, **summary(values)}
@@ -452,19 +449,6 @@ def ratio(values: list[float], target: float | None, at_least: bool) -> dict[str
         met = result["median"] >= target if at_least else result["median"] <= target
         result.update(target=f"{'>=' if at_least else '<='} {target}", met=met)
     return result
-
-
-def source_state() -> dict[str, str]:
-    """The commit measured, and whether ups-ckpt's or the core's sources differ from it."""
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.rstrip()
-
-    changed = git(
-        "status", "--porcelain", "--", "packages/ups-ckpt/src", "packages/ups-dist-core/src"
-    )
-    return {"commit": git("rev-parse", "--short", "HEAD"), "changes": changed}
 
 
 def disk(folder: Path) -> dict[str, str]:
@@ -551,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             "disk": disk(args.dir),
             "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
         },
-        "source": source_state(),
+        "source": source_state("packages/ups-ckpt/src", "packages/ups-dist-core/src"),
         "settings": {
             "params": args.params,
             "repeats": args.repeats,

@@ -48,12 +48,13 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _stats import source_state, summary
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -198,10 +199,6 @@ def measure(kind: str, size: int, world_size: int) -> dict[str, Any]:
     return record
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def ratio(
     runs: dict[str, list[dict[str, Any]]], ours: str, base: str, key: str, target: float | None
 ) -> dict[str, Any]:
@@ -212,23 +209,6 @@ def ratio(
     if target is not None:
         result.update(target=target, met=result["median"] <= target)
     return result
-
-
-def source_state() -> dict[str, str]:
-    """The commit measured, and whether the samplers' or the core's sources differ from it."""
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.rstrip()
-
-    changed = git(
-        "status",
-        "--porcelain",
-        "--",
-        "packages/ups-samplers/src",
-        "packages/ups-dist-core/src",
-    )
-    return {"commit": git("rev-parse", "--short", "HEAD"), "changes": changed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": "1 (OMP_NUM_THREADS=1, torch.set_num_threads(1))",
             "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
         },
-        "source": source_state(),
+        "source": source_state("packages/ups-samplers/src", "packages/ups-dist-core/src"),
         "settings": {
             "size": args.size,
             "world_size": args.world_size,
