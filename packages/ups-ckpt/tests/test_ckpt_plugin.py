@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,10 @@ def test_the_engine_trains_and_checkpoints_with_it(tmp_path: Path) -> None:
     assert loaded.step == 6 and loaded.state["step"] == 6
     assert set(loaded.state["model"]) == {"weight", "bias"}
     assert loaded.rank_state is not None and set(loaded.rank_state["rng"]) >= {"torch", "numpy"}
+
+
+def test_loading_the_plugin_does_not_import_torch_dcp() -> None:
+    """torch.distributed.checkpoint takes half a second to import: only ``sharded`` needs it."""
+    code = "import sys, ups.ckpt.plugin; print('torch.distributed.checkpoint' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

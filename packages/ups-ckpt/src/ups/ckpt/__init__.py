@@ -7,6 +7,8 @@ pointer); see :mod:`ups.ckpt.local`. Select it in the config with
 background (:mod:`ups.ckpt.background`).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .background import InBackground, Stager, stage
 from .errors import CheckpointError, UnsafeCheckpointError
 from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
@@ -14,7 +16,9 @@ from .manifest import Manifest
 from .remote import FsspecCheckpointer, FsspecCheckpointOptions
 from .retention import expired
 from .serialize import FileRecord
-from .sharded import ShardedCheckpointer
+
+if TYPE_CHECKING:
+    from .sharded import ShardedCheckpointer
 
 __all__ = [
     "CheckpointError",
@@ -32,3 +36,13 @@ __all__ = [
     "expired",
     "stage",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``ShardedCheckpointer`` on first use: its module imports torch.distributed.checkpoint,
+    half a second that a run not using ``sharded`` should not pay on every rank."""
+    if name == "ShardedCheckpointer":
+        from .sharded import ShardedCheckpointer
+
+        return ShardedCheckpointer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

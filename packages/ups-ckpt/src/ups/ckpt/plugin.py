@@ -13,7 +13,6 @@ from ups.core.records import CheckpointFactory
 from .background import InBackground, Locating
 from .local import LocalCheckpointer, LocalCheckpointOptions
 from .remote import FsspecCheckpointer, FsspecCheckpointOptions
-from .sharded import ShardedCheckpointer
 
 
 class _Backend(Protocol):
@@ -43,7 +42,19 @@ def backend(build: _Backend) -> CheckpointFactory:
 
 
 local_backend = backend(LocalCheckpointer)
-sharded_backend = backend(ShardedCheckpointer)
+
+
+def _sharded(
+    *, ctx: RunContext, directory: Path, options: Any, group: dist.ProcessGroup | None = None
+) -> Locating:
+    """A :class:`~ups.ckpt.sharded.ShardedCheckpointer`, its module (and with it
+    torch.distributed.checkpoint) imported only when the ``sharded`` backend is chosen."""
+    from .sharded import ShardedCheckpointer
+
+    return ShardedCheckpointer(ctx=ctx, directory=directory, options=options, group=group)
+
+
+sharded_backend = backend(_sharded)
 fsspec_backend = backend(FsspecCheckpointer)
 
 
