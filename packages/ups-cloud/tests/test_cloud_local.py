@@ -205,6 +205,7 @@ def test_cancel_stops_the_whole_job(project: Path, launcher: LocalLauncher) -> N
             "run.log_every=100000",
             f"model.options.pid_dir={pids}",
             "model.options.ignore_sigterm=true",  # so SIGKILL must finish the ranks
+            "checkpoint.preempt_signals=[]",  # the engine would otherwise handle SIGTERM
         ),
         run_dir=project / "runs",
     )
