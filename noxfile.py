@@ -3,10 +3,15 @@
 ``nox`` runs them all: one session per distribution (it installs that distribution and what it
 declares, then runs its own tests), the cross-package tests, lint, type-check, and a summary of
 every test run. torch is pinned to the release CI uses; users' ranges stay open.
+
+A session that passes deletes its virtualenv (each holds its own torch, about 1.2 GB, and
+sessions are not reused by default); set ``UPS_KEEP_VENVS=1`` to keep them, e.g. for ``nox -r``.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -69,6 +74,12 @@ def install(session: nox.Session, *short_names: str) -> None:
     session.run("python", "-c", GUARD, str(ROOT), *modules)
 
 
+def discard(session: nox.Session) -> None:
+    """Delete a session's virtualenv once it has passed, unless ``UPS_KEEP_VENVS`` is set."""
+    if not os.environ.get("UPS_KEEP_VENVS"):
+        shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
 def pytest(session: nox.Session, name: str, *paths: str) -> None:
     REPORTS.mkdir(exist_ok=True)
     session.run(
@@ -89,6 +100,7 @@ def _package_session(short: str) -> None:
         """Install this distribution with what it declares (and ups-dist-core); run its tests."""
         install(session, *dict.fromkeys(["core", short]))
         pytest(session, f"test-{short}", f"packages/{PACKAGES[short]}/tests")
+        discard(session)
 
 
 for _short in PACKAGES:
@@ -100,6 +112,7 @@ def integration(session: nox.Session) -> None:
     """Every distribution together: end-to-end runs of the CLI, the example, third-party plugins."""
     install(session, *PACKAGES)
     pytest(session, "integration", "tests")
+    discard(session)
 
 
 @nox.session
@@ -108,6 +121,7 @@ def lint(session: nox.Session) -> None:
     session.install(TOOLS["ruff"])
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    discard(session)
 
 
 @nox.session
@@ -116,6 +130,7 @@ def typecheck(session: nox.Session) -> None:
     install(session, *PACKAGES)
     session.install(TOOLS["mypy"], "types-PyYAML", "types-tqdm")
     session.run("mypy", *(f"packages/{d}/src" for d in PACKAGES.values()))
+    discard(session)
 
 
 @nox.session(python=False)
