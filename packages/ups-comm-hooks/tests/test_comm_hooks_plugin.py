@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ups.comm_hooks import CompressionHook, plugin
-from ups.core import CommHookPlugin, ConfigError, NoOptions, load_plugins, train
+from ups.comm_hooks import CompressionHook, HookOptions, plugin
+from ups.core import CommHookPlugin, ConfigError, load_plugins, train
 from ups.core.testing import tiny_project
 
 
@@ -20,7 +20,7 @@ def test_the_entry_point_registers_both_hooks() -> None:
         assert records[name].plugin == "ups-comm-hooks"
         assert isinstance(record, CommHookPlugin)
         assert record.factory == CompressionHook(dtype)
-        assert record.options is NoOptions
+        assert record.options is HookOptions
     info = next(p for p in registry.plugins if p.name == "ups-comm-hooks")
     assert (info.distribution, info.status) == ("ups-comm-hooks", "enabled")
 

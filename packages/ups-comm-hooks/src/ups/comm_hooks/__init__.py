@@ -1,28 +1,37 @@
 """ups-comm-hooks: DDP communication hooks for ups, selected by ``comm_hook: {name: ...}``.
 
-- ``bf16`` and ``fp16``: :func:`compress_hook`, gradients all-reduced in 16 bits, on any
-  backend (gloo included).
+- ``allreduce``, ``bf16`` and ``fp16``: :func:`compress_hook`, gradients all-reduced as they
+  are or in 16 bits, on any backend (gloo included).
 - ``powersgd``: :func:`powersgd_compression`, torch's PowerSGD hook with a
   :class:`PowerSGDHookState` whose ``state_dict`` and ``load_state_dict`` resume it exactly.
+
+Every hook counts the bytes it hands to collectives (:class:`Traffic`); the engine reports them
+per step next to plain all-reduce's, and with ``profile: true`` each bucket's time and bytes.
 """
 
 from ._compress import (
     CompressionHook,
     CompressionState,
+    allreduce,
     bf16_compression,
     compress_hook,
     fp16_compression,
 )
 from ._powersgd import PowerSGDHookState, PowerSGDOptions, powersgd_compression, powersgd_hook
+from ._traffic import HookOptions, Traffic, register
 
 __all__ = [
     "CompressionHook",
     "CompressionState",
+    "HookOptions",
     "PowerSGDHookState",
     "PowerSGDOptions",
+    "Traffic",
+    "allreduce",
     "bf16_compression",
     "compress_hook",
     "fp16_compression",
     "powersgd_compression",
     "powersgd_hook",
+    "register",
 ]

@@ -4,21 +4,30 @@ from __future__ import annotations
 
 from ups.core import CommHookPlugin, hookimpl
 
-from ._compress import bf16_compression, fp16_compression
+from ._compress import allreduce, bf16_compression, fp16_compression
 from ._powersgd import PowerSGDOptions, powersgd_compression
+from ._traffic import HookOptions
 
 
 @hookimpl
 def ups_comm_hooks() -> list[CommHookPlugin]:
     return [
         CommHookPlugin(
+            name="allreduce",
+            factory=allreduce,
+            options=HookOptions,
+            description="gradients averaged as DDP does, counted (and timed with profile: true)",
+        ),
+        CommHookPlugin(
             name="bf16",
             factory=bf16_compression,
+            options=HookOptions,
             description="gradients averaged in bfloat16: half the bytes, any backend",
         ),
         CommHookPlugin(
             name="fp16",
             factory=fp16_compression,
+            options=HookOptions,
             description="gradients averaged in float16: half the bytes, any backend",
         ),
         CommHookPlugin(
