@@ -34,15 +34,26 @@ def test_the_hooks_take_no_options() -> None:
 
 
 @pytest.mark.slow
-def test_a_config_trains_with_the_bf16_hook(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "ratio"), [("bf16", 0.5), ("allreduce", 1.0)])
+def test_a_config_trains_and_reports_the_bytes_it_sent(
+    tmp_path: Path, name: str, ratio: float
+) -> None:
     config = tiny_project(
         tmp_path,
         run={"log_every": 4},
         model={"options": {"width": 16}},
         training={"epochs": 4, "lr": 0.01},
         distributed={"backend": "gloo"},
-        comm_hook={"name": "bf16"},
+        comm_hook={"name": name, "options": {"profile": True}},
     )
     result = train(config, nproc=2)
     assert result.steps == 16
     assert result.losses[-1] < result.losses[0] / 2
+    params = 4 * 16 + 16 + 16 + 1  # Linear(4, 16), Tanh, Linear(16, 1)
+    for metrics in result.metrics:
+        assert metrics["allreduce_bytes"] == params * 4
+        assert metrics["comm_bytes"] == params * 4 * ratio
+        assert metrics["comm_ratio"] == ratio
+        # one bucket (the model is tiny), timed
+        assert metrics["comm_b0_bytes"] == metrics["comm_bytes"]
+        assert 0 < metrics["comm_b0_s"] == metrics["comm_s"]

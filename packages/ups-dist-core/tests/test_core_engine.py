@@ -26,6 +26,11 @@ def test_two_processes_train_and_return_rank_0s_result(project: Path) -> None:
     # each rank's own generators
     assert [set(own["rng"]) for own in saved["ranks"]] == [{"torch", "numpy", "python"}] * 2
     assert set(state["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # unwrapped from DDP
+    # DDP's own all-reduce sends every float32 gradient each step
+    grad_bytes = sum(t.numel() * 4 for t in state["model"].values())
+    for metrics in result.metrics:
+        assert metrics["comm_bytes"] == metrics["allreduce_bytes"] == grad_bytes
+        assert metrics["comm_ratio"] == 1
     # every rank's own log, at info level, whatever its console shows
     for rank in (0, 1):
         lines = (project / "runs" / "tiny" / "logs" / f"rank{rank}.jsonl").read_text()

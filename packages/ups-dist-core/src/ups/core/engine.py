@@ -40,7 +40,7 @@ from .metrics import LossWindow, PendingReport, per_sample_losses
 from .optim import build_optimizer, build_scheduler
 from .plugins import Registry
 from .preemption import Preemption
-from .profiling import StepProfiler, comm_profile, model_counts, throughput
+from .profiling import CommCounter, StepProfiler, comm_profile, model_counts, throughput
 from .progress import Progress
 from .records import Checkpointer, Loaded
 from .rng import rng_state, seed_all, set_rng_state
@@ -172,11 +172,14 @@ class Run:
         """What the comm hook keeps between steps (saved per rank if it has a state_dict)."""
         module = torch.compile(self.model) if t.compile else self.model
         self.ddp = wrap(module, ctx, config)  # type: ignore[arg-type]
+        self.comm = CommCounter()
         if isinstance(self.ddp, DistributedDataParallel):
             comm_plugin, comm_options = registry.select(
                 "comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook"
             )
             self.comm_state = comm_plugin.factory(self.ddp, ctx=ctx, options=comm_options)
+            builtin = config.comm_hook.name == "none"
+            self.comm = CommCounter(self.ddp, self.comm_state, builtin=builtin)
         ckpt_plugin, ckpt_options = registry.select(
             "checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint"
         )
@@ -644,6 +647,7 @@ class Run:
         last_step, last_time = self._reported_at
         self._reported_at = (self.step, time.perf_counter())
         extra = {"lr": self.optimizer.param_groups[0]["lr"], "oom_skipped": self.oom_skipped}
+        extra |= self.comm.metrics(self.step - last_step)
         if not math.isnan(grad_norm):
             extra["grad_norm"] = grad_norm
         self._pending = _Report(

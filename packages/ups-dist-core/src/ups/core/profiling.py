@@ -1,5 +1,6 @@
-"""Where a run's time and memory go: a torch.profiler trace of a few steps, compute against
-communication, and the throughput metrics the engine reports.
+"""Where a run's time, memory and bytes go: a torch.profiler trace of a few steps, compute against
+communication, the bytes of gradient communication and the throughput metrics the engine
+reports.
 
 Every rank profiles itself; what ranks must agree on (when to start a timed phase, whether a
 phase failed, the table of results) they agree on with collectives that every rank calls.
@@ -32,6 +33,7 @@ from .errors import UsageError
 log = structlog.get_logger()
 
 __all__ = [
+    "CommCounter",
     "CommProfile",
     "RankComm",
     "StepProfiler",
@@ -248,6 +250,47 @@ def _agreed_seconds(
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class CommCounter:
+    """The bytes of gradient communication per optimizer step, for the engine's reports.
+
+    ``allreduce_bytes`` is what plain all-reduce hands to the collective each step: every
+    gradient, in its own dtype. ``comm_bytes`` is what the comm hook handed, as its state's
+    ``comm_metrics(steps)`` reports it (with whatever else it reports, such as per-bucket times),
+    or ``allreduce_bytes`` for the built-in ``none`` (DDP's own all-reduce); ``comm_ratio`` is
+    their ratio. A hook whose state has no ``comm_metrics`` gets ``allreduce_bytes`` only. A
+    run without DDP (one process) gets nothing.
+    """
+
+    def __init__(
+        self,
+        ddp: DistributedDataParallel | None = None,
+        state: object | None = None,
+        *,
+        builtin: bool = False,
+    ) -> None:
+        """:param builtin: whether the hook is the built-in ``none``, which sends every gradient."""
+        self._plain: float | None = None
+        if ddp is not None:
+            grads = (p for p in ddp.parameters() if p.requires_grad)
+            self._plain = float(sum(p.numel() * p.element_size() for p in grads))
+        self._builtin = builtin
+        self._report: Callable[[int], Any] | None = getattr(state, "comm_metrics", None)
+
+    def metrics(self, steps: int) -> dict[str, float]:
+        """The metrics of the ``steps`` optimizer steps since the last call (none for 0)."""
+        if self._plain is None or steps < 1:
+            return {}
+        metrics: dict[str, float] = {}
+        if self._report is not None:
+            metrics |= self._report(steps)
+        elif self._builtin:
+            metrics["comm_bytes"] = self._plain
+        metrics["allreduce_bytes"] = self._plain
+        if "comm_bytes" in metrics and self._plain > 0:
+            metrics["comm_ratio"] = metrics["comm_bytes"] / self._plain
+        return metrics
 
 
 def peak_memory_mb(device: torch.device) -> float:

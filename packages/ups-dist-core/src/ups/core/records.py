@@ -76,7 +76,14 @@ class SamplerPlugin(PluginRecord):
 
 
 class CommHookFactory(Protocol):
-    """Registers a DDP communication hook on ``ddp`` and returns the hook's state (or ``None``)."""
+    """Registers a DDP communication hook on ``ddp`` and returns the hook's state (or ``None``).
+
+    The engine uses what the state has of: ``state_dict()`` and ``load_state_dict(state)``
+    (saved with each rank's checkpoint, restored before the first step of a resumed run), and
+    ``comm_metrics(steps) -> Mapping[str, float]``, the hook's metrics per step over the
+    ``steps`` optimizer steps since the last call (``comm_bytes``: bytes handed to collectives),
+    merged into each report.
+    """
 
     def __call__(
         self, ddp: DistributedDataParallel, *, ctx: RunContext, options: Any
