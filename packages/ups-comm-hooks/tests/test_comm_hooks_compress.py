@@ -7,6 +7,7 @@ import io
 from typing import Any
 
 import pytest
+import structlog.testing
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -181,3 +182,30 @@ def test_identical_gradients_come_back_rounded_once(world_size: int) -> None:
                 # 16-bit values is exact.
                 assert torch.equal(got, x.to(DTYPES[name]).float()), (name, as_view)
                 assert not torch.equal(got, x)
+
+
+def warnings_of_pointless_and_lossy_compression(ctx: RunContext) -> dict[str, list[str]]:
+    """What each rank warns: bf16 compression of a bfloat16 model; fp16 compression of
+    gradients under float16's range (as under fp16 autocast without a gradient scaler)."""
+    seen = {}
+    for case in ("bf16 of bf16", "fp16 tiny", "fp16 normal"):
+        name = case[:4]
+        model = Dot().to(torch.bfloat16) if case == "bf16 of bf16" else Dot()
+        x = torch.full((3007,), 1e-9 if case == "fp16 tiny" else 1.0, dtype=model.a.dtype)
+        with structlog.testing.capture_logs() as logs:
+            ddp = DistributedDataParallel(model)
+            register(name, ddp, ctx)
+            for _ in range(2):  # warned once
+                torch.autograd.backward(ddp(x))
+        seen[case] = [e["event"] for e in logs if e["log_level"] == "warning"]
+    return seen
+
+
+@pytest.mark.slow
+def test_pointless_or_lossy_compression_is_warned_once_on_rank_0() -> None:
+    rank0, rank1 = run_ranks(warnings_of_pointless_and_lossy_compression, 2)
+    assert rank1 == {"bf16 of bf16": [], "fp16 tiny": [], "fp16 normal": []}
+    assert rank0["fp16 normal"] == []
+    ((pointless,), (lossy,)) = rank0["bf16 of bf16"], rank0["fp16 tiny"]
+    assert "bfloat16 already" in pointless and "use allreduce" in pointless
+    assert "sent as zeros" in lossy and "GradScaler" in lossy
