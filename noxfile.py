@@ -175,3 +175,14 @@ def bench_ckpt(session: nox.Session) -> None:
     ``nox -s bench_ckpt``; small runs: ``nox -s bench_ckpt -- --params 1000000 --repeats 1``."""
     install(session, "core", "ckpt")
     session.run("python", "benchmarks/bench_ckpt.py", *session.posargs)
+
+
+@nox.session(name="bench_comm", default=False)
+def bench_comm(session: nox.Session) -> None:
+    """Benchmark ups-comm-hooks' hooks against plain float32 all-reduce (a model of 12.6 M
+    parameters, 2 gloo ranks in 2 network namespaces over a veth pair shaped by tc to 200 Mbit/s
+    and 1 Gbit/s): step time and bytes per step; see benchmarks/README.md. Needs root, ``ip`` and
+    ``tc``. Not a default session: ``nox -s bench_comm``; small runs:
+    ``nox -s bench_comm -- --rates 1gbit --rounds 1 --steps 2``."""
+    install(session, "core", "comm_hooks")
+    session.run("python", "benchmarks/bench_comm.py", *session.posargs)
