@@ -4,6 +4,8 @@
   are or in 16 bits, on any backend (gloo included).
 - ``powersgd``: :func:`powersgd_compression`, torch's PowerSGD hook with a
   :class:`PowerSGDHookState` whose ``state_dict`` and ``load_state_dict`` resume it exactly.
+- ``topk``: :func:`topk_compression`, top-k sparsification with error feedback, kept per
+  parameter so that :class:`TopKState` resumes bitwise.
 
 Every hook counts the bytes it hands to collectives (:class:`Traffic`); the engine reports them
 per step next to plain all-reduce's, and with ``profile: true`` each bucket's time and bytes.
@@ -18,6 +20,7 @@ from ._compress import (
     fp16_compression,
 )
 from ._powersgd import PowerSGDHookState, PowerSGDOptions, powersgd_compression, powersgd_hook
+from ._topk import SparseLayout, TopKOptions, TopKState, topk_compression, topk_hook
 from ._traffic import HookOptions, Traffic, register
 
 __all__ = [
@@ -26,6 +29,9 @@ __all__ = [
     "HookOptions",
     "PowerSGDHookState",
     "PowerSGDOptions",
+    "SparseLayout",
+    "TopKOptions",
+    "TopKState",
     "Traffic",
     "allreduce",
     "bf16_compression",
@@ -34,4 +40,6 @@ __all__ = [
     "powersgd_compression",
     "powersgd_hook",
     "register",
+    "topk_compression",
+    "topk_hook",
 ]

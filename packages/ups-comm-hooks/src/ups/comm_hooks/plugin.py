@@ -6,6 +6,7 @@ from ups.core import CommHookPlugin, hookimpl
 
 from ._compress import allreduce, bf16_compression, fp16_compression
 from ._powersgd import PowerSGDOptions, powersgd_compression
+from ._topk import TopKOptions, topk_compression
 from ._traffic import HookOptions
 
 
@@ -35,5 +36,11 @@ def ups_comm_hooks() -> list[CommHookPlugin]:
             factory=powersgd_compression,
             options=PowerSGDOptions,
             description="torch's PowerSGD low-rank compression, with a state that resumes exactly",
+        ),
+        CommHookPlugin(
+            name="topk",
+            factory=topk_compression,
+            options=TopKOptions,
+            description="top-k sparsification with error feedback: about 2*ratio of the bytes",
         ),
     ]
