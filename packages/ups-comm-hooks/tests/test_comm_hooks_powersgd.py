@@ -1,12 +1,14 @@
-"""The ``powersgd`` hook on real gloo process groups: a run resumed from the hook's
-``state_dict`` (and the model's and optimizer's) goes on bitwise as the run it continues."""
+"""The ``powersgd`` and ``batched_powersgd`` hooks on real gloo process groups: a run resumed
+from the hook's ``state_dict`` (and the model's and optimizer's) goes on bitwise as the run it
+continues, with gradients sent as they are or in 16 bits (``wire_dtype``)."""
 
 from __future__ import annotations
 
 import copy
 import io
+import math
 import traceback
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 from torch.nn.parallel import DistributedDataParallel
 
 from ups.comm_hooks import PowerSGDHookState, PowerSGDOptions, plugin
+from ups.comm_hooks._powersgd import batched_powersgd_compression, powersgd_compression
 from ups.core import CommHookPlugin, ConfigError, RunContext, load_plugins
 from ups.core.testing import run_ranks
 
@@ -28,6 +31,8 @@ ONE_BUCKET = 25.0
 after DDP rebuilds it, and in the model's order before."""
 AFTER = 4
 """Steps trained after the state is saved."""
+FACTORIES = {"powersgd": powersgd_compression, "batched_powersgd": batched_powersgd_compression}
+"""The hooks' factories, by plugin name (both take the ``powersgd`` plugin's options)."""
 
 
 def registry_select(name: str, options: dict[str, Any]) -> tuple[CommHookPlugin, Any]:
@@ -57,6 +62,7 @@ class Run:
         options: dict[str, Any],
         bucket_cap_mb: float,
         resume: dict[str, Any] | None = None,
+        hook: str = "powersgd",
     ) -> None:
         self.ctx = ctx
         module = model(seed=1)
@@ -64,8 +70,8 @@ class Run:
             module.load_state_dict(resume["model"])
         self.module = module
         self.ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
-        record, built = registry_select("powersgd", options)
-        state = record.factory(self.ddp, ctx=ctx, options=built)
+        _, built = registry_select("powersgd", options)
+        state = FACTORIES[hook](self.ddp, ctx=ctx, options=built)
         assert isinstance(state, PowerSGDHookState)
         self.state = state
         self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9)
@@ -101,29 +107,57 @@ class Run:
         return buffer.getvalue()
 
 
-SCENARIOS: dict[str, tuple[dict[str, Any], float, float, int]] = {
-    # name: (options, bucket cap of the saved run, of the resumed one, steps before saving)
-    "two buckets": ({"start_powersgd_iter": 3}, SMALL_BUCKETS, SMALL_BUCKETS, 5),
-    "one bucket": ({"start_powersgd_iter": 3}, ONE_BUCKET, ONE_BUCKET, 5),
-    "saved as PowerSGD starts, without warm start nor error feedback": (
+class Scenario(NamedTuple):
+    options: dict[str, Any]
+    cap: float
+    """The bucket cap of the saved run."""
+    resumed_cap: float
+    """The bucket cap of the resumed run."""
+    before: int
+    """Steps trained before saving."""
+    hook: str = "powersgd"
+
+
+LARGER = {"start_powersgd_iter": 3, "matrix_approximation_rank": 1, "min_compression_rate": 1}
+SCENARIOS: dict[str, Scenario] = {
+    "two buckets": Scenario({"start_powersgd_iter": 3}, SMALL_BUCKETS, SMALL_BUCKETS, 5),
+    "one bucket": Scenario({"start_powersgd_iter": 3}, ONE_BUCKET, ONE_BUCKET, 5),
+    "saved as PowerSGD starts, without warm start nor error feedback": Scenario(
         {"start_powersgd_iter": 3, "warm_start": False, "use_error_feedback": False},
         SMALL_BUCKETS,
         SMALL_BUCKETS,
         3,
     ),
-    "resumed with larger buckets": (
-        {"start_powersgd_iter": 3, "matrix_approximation_rank": 1, "min_compression_rate": 1},
+    "resumed with larger buckets": Scenario(LARGER, SMALL_BUCKETS, ONE_BUCKET, 5),
+    "bf16 wire, two buckets": Scenario(
+        {"start_powersgd_iter": 3, "wire_dtype": "bf16"}, SMALL_BUCKETS, SMALL_BUCKETS, 5
+    ),
+    "fp16 wire, resumed with larger buckets": Scenario(
+        {**LARGER, "wire_dtype": "fp16"}, SMALL_BUCKETS, ONE_BUCKET, 5
+    ),
+    "batched, two buckets": Scenario(
+        {"start_powersgd_iter": 3}, SMALL_BUCKETS, SMALL_BUCKETS, 5, "batched_powersgd"
+    ),
+    "batched, one bucket": Scenario(
+        {"start_powersgd_iter": 3}, ONE_BUCKET, ONE_BUCKET, 5, "batched_powersgd"
+    ),
+    "batched, without warm start nor error feedback": Scenario(
+        {"start_powersgd_iter": 3, "warm_start": False, "use_error_feedback": False},
         SMALL_BUCKETS,
-        ONE_BUCKET,
-        5,
+        SMALL_BUCKETS,
+        3,
+        "batched_powersgd",
+    ),
+    "batched, bf16 wire, resumed with larger buckets": Scenario(
+        {**LARGER, "wire_dtype": "bf16"}, SMALL_BUCKETS, ONE_BUCKET, 5, "batched_powersgd"
     ),
 }
 
 
 def resume_every_scenario(ctx: RunContext) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, (options, cap, resumed_cap, before) in SCENARIOS.items():
-        run = Run(ctx, options, cap)
+    for name, (options, cap, resumed_cap, before, hook) in SCENARIOS.items():
+        run = Run(ctx, options, cap, hook=hook)
         run.train(range(before))
         saved = run.saved()
         run.train(range(before, before + AFTER))
@@ -134,7 +168,7 @@ def resume_every_scenario(ctx: RunContext) -> dict[str, Any]:
             ("resumed without the hook's state", {**saved, "hook": None}),
             ("resumed without the saved bucket layout", without_layout),
         ):
-            again = Run(ctx, options, resumed_cap, resume=resume)
+            again = Run(ctx, options, resumed_cap, resume=resume, hook=hook)
             try:
                 again.train(range(before, before + AFTER))
             except RuntimeError as error:  # the same on every rank, before any collective
@@ -152,11 +186,22 @@ def errors_of_states_the_hook_cannot_continue(ctx: RunContext) -> dict[str, str]
     run = Run(ctx, {"start_powersgd_iter": 2}, SMALL_BUCKETS)
     run.train(range(3))
     saved = run.saved()
-    for key, value in (("matrix_approximation_rank", 1), ("min_compression_rate", 1.5)):
+    for key, value in (
+        ("matrix_approximation_rank", 1),
+        ("min_compression_rate", 1.5),
+        ("wire_dtype", "bf16"),
+    ):
         try:
             Run(ctx, {"start_powersgd_iter": 2, key: value}, SMALL_BUCKETS, resume=saved)
         except ValueError as error:
             errors[key] = str(error)
+    try:
+        Run(ctx, {"start_powersgd_iter": 2}, SMALL_BUCKETS, resume=saved, hook="batched_powersgd")
+    except ValueError as error:
+        errors["batched"] = str(error)
+    # A state saved before batched and wire_dtype existed is one of powersgd sent as it is.
+    older = {k: v for k, v in saved["hook"].items() if k not in ("batched", "wire_dtype")}
+    Run(ctx, {"start_powersgd_iter": 2}, SMALL_BUCKETS, resume={**saved, "hook": older})
     # Saved with two buckets, resumed with one: fine (it is cut in two). The other way: not.
     run = Run(ctx, {"start_powersgd_iter": 2}, ONE_BUCKET)
     run.train(range(3))
@@ -248,6 +293,35 @@ def test_the_state_dict_loads_with_weights_only(resumed: list[dict[str, Any]]) -
     # The error feedback is each rank's own; the generator is the same on all.
     assert not torch.equal(states[0]["error_dict"][0], states[1]["error_dict"][0])
     assert torch.equal(states[0]["rng"]["key"], states[1]["rng"]["key"])
+    assert (states[0]["batched"], states[0]["wire_dtype"]) == (False, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("scenario", "dtype", "batched"),
+    [
+        ("bf16 wire, two buckets", torch.bfloat16, False),
+        ("fp16 wire, resumed with larger buckets", torch.float16, False),
+        ("batched, two buckets", torch.float32, True),
+        ("batched, bf16 wire, resumed with larger buckets", torch.bfloat16, True),
+    ],
+)
+def test_the_state_holds_the_wire_dtype_tensors_and_the_hook(
+    resumed: list[dict[str, Any]], scenario: str, dtype: torch.dtype, batched: bool
+) -> None:
+    for rank in resumed:
+        state = torch.load(io.BytesIO(rank[scenario]["hook_state"]), weights_only=True)
+        assert state["batched"] is batched
+        assert state["wire_dtype"] == SCENARIOS[scenario].options.get("wire_dtype")
+        for key in ("error_dict", "p_memory_dict", "q_memory_dict"):
+            assert {t.dtype for t in state[key].values()} == {dtype}, key
+        if batched:  # error feedback of the padded square; P and Q of side x rank
+            rank_ = state["matrix_approximation_rank"]
+            for i, error in state["error_dict"].items():
+                side = math.isqrt(error.numel())
+                assert side * side == error.numel()
+                assert state["p_memory_dict"][i].shape == (side, rank_)
+                assert state["q_memory_dict"][i].shape == (side, rank_)
 
 
 @pytest.mark.slow
@@ -260,13 +334,19 @@ def test_a_state_the_hook_cannot_continue_is_refused(resumed: list[dict[str, Any
         assert errors["min_compression_rate"] == (
             "the PowerSGD state was saved with min_compression_rate 2.0, not 1.5 as now"
         )
+        assert errors["wire_dtype"] == (
+            "the PowerSGD state was saved with wire_dtype None, not 'bf16' as now"
+        )
+        assert errors["batched"] == (
+            "the PowerSGD state was saved with batched False, not True as now"
+        )
         smaller = errors["smaller buckets"]
         assert "powersgd: bucket 0 of this DDP model holds the parameters" in smaller
         assert "Resume with the model and the DDP options (bucket_cap_mb)" in smaller
 
 
 @pytest.mark.slow
-def test_torch_batched_hook_still_fails_which_is_why_it_is_not_offered(
+def test_torch_batched_hook_still_fails_which_is_why_batched_powersgd_is_our_own(
     resumed: list[dict[str, Any]],
 ) -> None:
     for rank in resumed:
@@ -286,7 +366,11 @@ def test_the_plugin_takes_powersgd_options() -> None:
         warm_start=True,
         orthogonalization_epsilon=0.0,
         seed=0,
+        wire_dtype=None,
+        profile=False,
     )
+    _, options = registry_select("powersgd", {"wire_dtype": "fp16", "profile": True})
+    assert (options.wire_dtype, options.profile) == ("fp16", True)
     _, options = registry_select("powersgd", {"min_compression_rate": 1})
     assert options.min_compression_rate == 1.0
     assert isinstance(options.min_compression_rate, float)
@@ -303,6 +387,7 @@ def test_the_plugin_takes_powersgd_options() -> None:
         ({"orthogonalization_epsilon": -1e-8}, r"orthogonalization_epsilon: -1e-08 .*>= 0"),
         ({"min_compression_rate": -1}, r"comm_hook\.options\.min_compression_rate: -1.0 .*>= 0"),
         ({"seed": 2**32}, r"comm_hook\.options\.seed: 4294967296 .*< 2\*\*32"),
+        ({"wire_dtype": "int8"}, r"comm_hook\.options\.wire_dtype: 'int8'"),
         ({"warm_start": "yes"}, r"comm_hook\.options\.warm_start: expected a boolean"),
         ({"start_powerSGD_iter": 10}, r"comm_hook\.options\.start_powerSGD_iter: unknown key"),
     ],
