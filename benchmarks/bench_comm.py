@@ -486,7 +486,7 @@ def table(result: dict[str, Any]) -> str:
         f"Model: {m['params']:,} float32 parameters ({s['layers']} x Linear({s['width']}, "
         f"{s['width']}), batch {s['batch']}), 2 ranks (gloo) in 2 network namespaces over a veth "
         f"pair shaped by tbf; {s['rounds']} rounds of {s['steps']} timed steps per hook after "
-        f"{s['warmup']} warm-up steps (+ start_powersgd_iter); median [min, max] over the rounds "
+        f"{s['warmup']} warm-up steps (+ the hook's start_powersgd_iter or start_iter); median [min, max] over the rounds "
         f"of rank 0's median step; bytes per step of one rank. {result['machine']['cpus']} "
         f"cores, load {result['machine']['load_average_1min']['before']:.2f} before, "
         f"{result['machine']['load_average_1min']['after']:.2f} after; torch "
@@ -564,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     began, load_before = time.perf_counter(), os.getloadavg()
+    source = source_state("packages/ups-comm-hooks/src", "packages/ups-dist-core/src", "benchmarks")
     measured: list[dict[str, Any]] = []
     ranks: list[dict[str, Any]] = []
     try:
@@ -599,9 +600,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads_per_rank": ranks[0]["threads"],
             "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
         },
-        "source": source_state(
-            "packages/ups-comm-hooks/src", "packages/ups-dist-core/src", "benchmarks"
-        ),
+        "source": source,  # as the run began
         "settings": {
             "rates": [r for r, _ in rates],
             "hooks": hooks,
