@@ -2,8 +2,10 @@
 
 - ``allreduce``, ``bf16`` and ``fp16``: :func:`compress_hook`, gradients all-reduced as they
   are or in 16 bits, on any backend (gloo included).
-- ``powersgd``: :func:`powersgd_compression`, torch's PowerSGD hook with a
-  :class:`PowerSGDHookState` whose ``state_dict`` and ``load_state_dict`` resume it exactly.
+- ``powersgd`` and ``batched_powersgd``: :func:`powersgd_compression` (torch's PowerSGD hook)
+  and :func:`batched_powersgd_compression` (each bucket compressed as one matrix), with a
+  :class:`PowerSGDHookState` whose ``state_dict`` and ``load_state_dict`` resume them exactly,
+  and optionally 16-bit on the wire (``wire_dtype``).
 - ``topk``: :func:`topk_compression`, top-k sparsification with error feedback, kept per
   parameter so that :class:`TopKState` resumes bitwise.
 
@@ -19,7 +21,13 @@ from ._compress import (
     compress_hook,
     fp16_compression,
 )
-from ._powersgd import PowerSGDHookState, PowerSGDOptions, powersgd_compression, powersgd_hook
+from ._powersgd import (
+    PowerSGDHookState,
+    PowerSGDOptions,
+    batched_powersgd_compression,
+    powersgd_compression,
+    powersgd_hook,
+)
 from ._topk import SparseLayout, TopKOptions, TopKState, topk_compression, topk_hook
 from ._traffic import HookOptions, Traffic, register
 
@@ -34,6 +42,7 @@ __all__ = [
     "TopKState",
     "Traffic",
     "allreduce",
+    "batched_powersgd_compression",
     "bf16_compression",
     "compress_hook",
     "fp16_compression",

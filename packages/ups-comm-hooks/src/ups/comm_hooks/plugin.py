@@ -5,7 +5,7 @@ from __future__ import annotations
 from ups.core import CommHookPlugin, hookimpl
 
 from ._compress import allreduce, bf16_compression, fp16_compression
-from ._powersgd import PowerSGDOptions, powersgd_compression
+from ._powersgd import PowerSGDOptions, batched_powersgd_compression, powersgd_compression
 from ._topk import TopKOptions, topk_compression
 from ._traffic import HookOptions
 
@@ -36,6 +36,12 @@ def ups_comm_hooks() -> list[CommHookPlugin]:
             factory=powersgd_compression,
             options=PowerSGDOptions,
             description="torch's PowerSGD low-rank compression, with a state that resumes exactly",
+        ),
+        CommHookPlugin(
+            name="batched_powersgd",
+            factory=batched_powersgd_compression,
+            options=PowerSGDOptions,
+            description="PowerSGD of each whole bucket as one square matrix: fewer, larger kernels",
         ),
         CommHookPlugin(
             name="topk",
