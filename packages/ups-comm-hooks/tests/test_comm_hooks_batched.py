@@ -444,7 +444,7 @@ def test_registering_warns_on_rank_0_of_what_powersgd_does_badly(
     assert (
         "min_compression_rate is ignored" in logs["batched, min_compression_rate set"][0]["event"]
     )
-    assert "wire_dtype bf16 only adds a copy" in logs["bf16 wire, bf16 gradients"][0]["event"]
+    assert "wire_dtype bf16 changes nothing" in logs["bf16 wire, bf16 gradients"][0]["event"]
     for case, events in two[1]["logs"].items():  # once: rank 0 only
         assert case == "sparse gradients" or events == [], (case, events)
 

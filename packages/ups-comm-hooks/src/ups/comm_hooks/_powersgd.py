@@ -470,7 +470,7 @@ def _register(
         if wire is not None and {p.dtype for p in trained} == {wire}:
             log.warning(
                 f"comm_hook {name}: the gradients are {wire} already, so wire_dtype"
-                f" {options.wire_dtype} only adds a copy; leave it out",
+                f" {options.wire_dtype} changes nothing; leave it out",
             )
     state = PowerSGDHookState(ddp, options, batched=batched)
     return register(ddp, state, powersgd_hook)
