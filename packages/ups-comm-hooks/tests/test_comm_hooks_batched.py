@@ -18,8 +18,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ups.comm_hooks import PowerSGDHookState, PowerSGDOptions
-from ups.comm_hooks._powersgd import batched_powersgd_compression, powersgd_compression
+from ups.comm_hooks import (
+    PowerSGDHookState,
+    PowerSGDOptions,
+    batched_powersgd_compression,
+    powersgd_compression,
+)
 from ups.core import ConfigError, RunContext
 from ups.core.testing import run_ranks
 

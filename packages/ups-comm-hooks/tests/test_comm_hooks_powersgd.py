@@ -19,8 +19,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from ups.comm_hooks import PowerSGDHookState, PowerSGDOptions, plugin
-from ups.comm_hooks._powersgd import batched_powersgd_compression, powersgd_compression
+from ups.comm_hooks import (
+    PowerSGDHookState,
+    PowerSGDOptions,
+    batched_powersgd_compression,
+    plugin,
+    powersgd_compression,
+)
 from ups.core import CommHookPlugin, ConfigError, RunContext, load_plugins
 from ups.core.testing import run_ranks
 
@@ -31,8 +36,6 @@ ONE_BUCKET = 25.0
 after DDP rebuilds it, and in the model's order before."""
 AFTER = 4
 """Steps trained after the state is saved."""
-FACTORIES = {"powersgd": powersgd_compression, "batched_powersgd": batched_powersgd_compression}
-"""The hooks' factories, by plugin name (both take the ``powersgd`` plugin's options)."""
 
 
 def registry_select(name: str, options: dict[str, Any]) -> tuple[CommHookPlugin, Any]:
@@ -70,8 +73,8 @@ class Run:
             module.load_state_dict(resume["model"])
         self.module = module
         self.ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
-        _, built = registry_select("powersgd", options)
-        state = FACTORIES[hook](self.ddp, ctx=ctx, options=built)
+        record, built = registry_select(hook, options)
+        state = record.factory(self.ddp, ctx=ctx, options=built)
         assert isinstance(state, PowerSGDHookState)
         self.state = state
         self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9)
@@ -354,9 +357,12 @@ def test_torch_batched_hook_still_fails_which_is_why_batched_powersgd_is_our_own
         assert "_orthogonalize(state.q_memory_dict[bucket_index])" in error, error
 
 
-def test_the_plugin_takes_powersgd_options() -> None:
+def test_the_plugins_take_powersgd_options() -> None:
     record, options = registry_select("powersgd", {"matrix_approximation_rank": 4, "seed": 7})
-    assert record.options is PowerSGDOptions
+    assert (record.factory, record.options) == (powersgd_compression, PowerSGDOptions)
+    batched, batched_options = registry_select("batched_powersgd", {"wire_dtype": "bf16"})
+    assert (batched.factory, batched.options) == (batched_powersgd_compression, PowerSGDOptions)
+    assert batched_options == PowerSGDOptions(wire_dtype="bf16")
     assert options == PowerSGDOptions(matrix_approximation_rank=4, seed=7)
     assert registry_select("powersgd", {})[1] == PowerSGDOptions(
         matrix_approximation_rank=2,
