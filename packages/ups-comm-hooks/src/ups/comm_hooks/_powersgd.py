@@ -345,10 +345,6 @@ class PowerSGDHookState(Traffic):
             for name, part in zip(saved, _unflatten(result, shapes), strict=True):
                 gradients[name].copy_(part)
 
-    def _count_numel(self, bucket: int, numel: int, tensor: torch.Tensor) -> None:
-        """Count ``numel`` elements of ``tensor``'s dtype as sent for ``bucket``."""
-        self._bytes[bucket] += numel * tensor.element_size()
-
     def _torch_powersgd(self, bucket: GradBucket, counted_as: int) -> torch.Tensor:
         """``powersgd``'s algorithm: torch's ``powerSGD_hook`` on ``bucket``, waited for; its
         bytes counted for bucket ``counted_as``."""
@@ -358,7 +354,7 @@ class PowerSGDHookState(Traffic):
         result = powerSGD_hook(state, bucket).wait()
         buffer = bucket.buffer()
         after = state.total_numel_after_compression
-        self._count_numel(counted_as, buffer.numel() if plain else after - before, buffer)
+        self.count(counted_as, buffer, buffer.numel() if plain else after - before)
         return result
 
     def _batched_powersgd(self, bucket: GradBucket, counted_as: int) -> torch.Tensor:

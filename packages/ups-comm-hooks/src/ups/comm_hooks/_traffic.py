@@ -59,9 +59,10 @@ class Traffic:
         """The size of :attr:`process_group`."""
         return self.process_group.size()
 
-    def count(self, bucket: int, tensor: torch.Tensor) -> None:
-        """Add ``tensor``'s bytes to those bucket ``bucket`` handed to a collective."""
-        self._bytes[bucket] += tensor.numel() * tensor.element_size()
+    def count(self, bucket: int, tensor: torch.Tensor, numel: int | None = None) -> None:
+        """Add ``tensor``'s bytes (or those of ``numel`` elements of its dtype) to those bucket
+        ``bucket`` handed to a collective."""
+        self._bytes[bucket] += (tensor.numel() if numel is None else numel) * tensor.element_size()
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int) -> torch.futures.Future[torch.Tensor]:
         """Sum ``tensor`` over the group, in place, counted for ``bucket``; the future holds it."""
