@@ -220,3 +220,24 @@ def test_a_resume_on_data_with_another_fingerprint_is_refused(tmp_path: Path) ->
         train(project(tmp_path, 6, "latest"), nproc=1, overrides=changed)
     accepted = [*changed, "checkpoint.allow_changed=[dataset]"]
     assert train(project(tmp_path, 6, "latest"), nproc=1, overrides=accepted).steps == 6
+
+
+@pytest.mark.slow
+def test_a_comm_hook_state_resumes_only_into_the_hook_that_saved_it(tmp_path: Path) -> None:
+    """Another PowerSGD rank cannot take the saved matrices: a usage error naming the option.
+    Another hook starts its own state afresh, with a warning."""
+    hook = {"name": "powersgd", "options": {"start_powersgd_iter": 2, "min_compression_rate": 0.5}}
+    config = project(tmp_path, 4, "latest", comm_hook=hook)
+    assert run_ups("train", str(config), "--nproc", "2").returncode == 0
+    ranked = ["-o", "comm_hook.options.matrix_approximation_rank=1"]
+    refused = run_ups("train", str(config), "--nproc", "2", "-o", "training.max_steps=6", *ranked)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert (
+        "ConfigError: comm_hook.options: cannot resume the checkpoint: the PowerSGD state was "
+        "saved with matrix_approximation_rank 2, not 1 as now" in refused.stderr
+    )
+    other = ["-o", "comm_hook.name=topk", "-o", "comm_hook.options={}"]
+    switched = run_ups("train", str(config), "--nproc", "2", "-o", "training.max_steps=6", *other)
+    assert switched.returncode == 0, switched.stderr[-3000:]
+    assert "state was saved by 'powersgd', not by 'topk' as now" in switched.stderr
+    assert '"event": "resumed"' in switched.stderr

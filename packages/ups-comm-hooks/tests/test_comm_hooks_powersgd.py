@@ -79,7 +79,9 @@ class Run:
         self.state = state
         self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9)
         if resume is not None:
-            self.optimizer.load_state_dict(resume["optimizer"])
+            # A copy: SGD keeps the momentum tensors it is given and updates them in place, and
+            # one saved state resumes more than one run.
+            self.optimizer.load_state_dict(copy.deepcopy(resume["optimizer"]))
             if resume.get("hook") is not None:
                 state.load_state_dict(resume["hook"])
 

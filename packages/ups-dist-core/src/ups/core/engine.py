@@ -18,7 +18,7 @@ import math
 import signal
 import time
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -370,10 +370,33 @@ class Run:
             )
         load = getattr(self.comm_state, "load_state_dict", None)
         if own is not None and load is not None and "comm_hook" in own:
-            load(own["comm_hook"])
+            self._restore_comm_hook(load, own)
         plugins = own["plugins"] if own is not None else loaded.state["plugins"]
         self.hook.ups_checkpoint_restore(ctx=self.ctx, state=plugins)
         return own
+
+    def _restore_comm_hook(self, load: Callable[[Any], None], own: Mapping[str, Any]) -> None:
+        """Hand the comm hook its saved state, if the hook that saved it is this run's; else
+        warn that its state starts afresh.
+
+        :raises ConfigError: naming ``comm_hook.options`` when the hook refuses the state (saved
+            with options that shape it otherwise, such as another PowerSGD rank).
+        """
+        name = self.config.comm_hook.name
+        saved_by = own.get("comm_hook_name", name)
+        if saved_by != name:
+            if self.ctx.is_main:
+                log.warning(
+                    f"the checkpoint's comm hook state was saved by {saved_by!r}, not by {name!r}"
+                    " as now: its state starts afresh"
+                )
+            return
+        try:
+            load(own["comm_hook"])
+        except ValueError as error:
+            raise ConfigError(
+                "comm_hook.options", f"cannot resume the checkpoint: {error}"
+            ) from None
 
     def _identity(self) -> dict[str, Any]:
         """What a resume must find unchanged, unless ``checkpoint.allow_changed`` says. The
@@ -694,6 +717,7 @@ class Run:
         state_dict = getattr(self.comm_state, "state_dict", None)
         if state_dict is not None:
             own["comm_hook"] = state_dict()
+            own["comm_hook_name"] = self.config.comm_hook.name
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
