@@ -4,7 +4,6 @@ continues, with gradients sent as they are or in 16 bits (``wire_dtype``)."""
 
 from __future__ import annotations
 
-import copy
 import io
 import math
 import traceback
@@ -12,7 +11,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from torch import nn
+from resumable import Run, model, registry_select
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     PowerSGDState,
     batched_powerSGD_hook,
@@ -20,13 +19,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 from torch.nn.parallel import DistributedDataParallel
 
 from ups.comm_hooks import (
-    PowerSGDHookState,
     PowerSGDOptions,
     batched_powersgd_compression,
-    plugin,
     powersgd_compression,
 )
-from ups.core import CommHookPlugin, ConfigError, RunContext, load_plugins
+from ups.core import ConfigError, RunContext
 from ups.core.testing import run_ranks
 
 SMALL_BUCKETS = 0.005
@@ -36,80 +33,6 @@ ONE_BUCKET = 25.0
 after DDP rebuilds it, and in the model's order before."""
 AFTER = 4
 """Steps trained after the state is saved."""
-
-
-def registry_select(name: str, options: dict[str, Any]) -> tuple[CommHookPlugin, Any]:
-    """The plugin ``name`` and its options built from ``options``, as the engine gets them."""
-    registry = load_plugins(
-        extra=[("ups-comm-hooks", plugin)], env={"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    )
-    record, built = registry.select("comm_hook", name, options, "comm_hook")
-    assert isinstance(record, CommHookPlugin)
-    return record, built
-
-
-def model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(16, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 4)
-    )
-
-
-class Run:
-    """A DDP model with a hook, its optimizer, and this rank's data: step ``t`` is the same
-    batch whichever run trains it."""
-
-    def __init__(
-        self,
-        ctx: RunContext,
-        options: dict[str, Any],
-        bucket_cap_mb: float,
-        resume: dict[str, Any] | None = None,
-        hook: str = "powersgd",
-    ) -> None:
-        self.ctx = ctx
-        module = model(seed=1)
-        if resume is not None:
-            module.load_state_dict(resume["model"])
-        self.module = module
-        self.ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
-        record, built = registry_select(hook, options)
-        state = record.factory(self.ddp, ctx=ctx, options=built)
-        assert isinstance(state, PowerSGDHookState)
-        self.state = state
-        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9)
-        if resume is not None:
-            # A copy: SGD keeps the momentum tensors it is given and updates them in place, and
-            # one saved state resumes more than one run.
-            self.optimizer.load_state_dict(copy.deepcopy(resume["optimizer"]))
-            if resume.get("hook") is not None:
-                state.load_state_dict(resume["hook"])
-
-    def train(self, steps: range) -> None:
-        for step in steps:
-            g = torch.Generator().manual_seed(1000 * self.ctx.rank + step)
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            self.optimizer.zero_grad()
-            torch.autograd.backward(nn.functional.mse_loss(self.ddp(x), y))
-            self.optimizer.step()
-
-    def saved(self) -> dict[str, Any]:
-        """The model's, optimizer's and hook's states, the hook's through ``torch.save`` and
-        ``torch.load(weights_only=True)``, as a checkpoint keeps it."""
-        buffer = io.BytesIO()
-        torch.save(self.state.state_dict(), buffer)
-        buffer.seek(0)
-        return {
-            "model": copy.deepcopy(self.module.state_dict()),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "hook": torch.load(buffer, weights_only=True),
-            "hook_bytes": buffer.getvalue(),
-        }
-
-    def params(self) -> bytes:
-        buffer = io.BytesIO()
-        torch.save([p.detach().clone() for p in self.module.parameters()], buffer)
-        return buffer.getvalue()
 
 
 class Scenario(NamedTuple):
@@ -235,13 +158,8 @@ def resumed() -> list[dict[str, Any]]:
     return run_ranks(resume_every_scenario, 2)
 
 
-def tensors(data: bytes) -> list[torch.Tensor]:
-    loaded: list[torch.Tensor] = torch.load(io.BytesIO(data), weights_only=True)
-    return loaded
-
-
-def equal(a: bytes, b: bytes) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b), strict=True))
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.slow

@@ -5,8 +5,6 @@ counts and the warnings it gives."""
 
 from __future__ import annotations
 
-import copy
-import io
 import math
 import re
 from typing import Any
@@ -16,6 +14,7 @@ import structlog
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from resumable import Run
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -357,61 +356,13 @@ SMALL_BUCKETS = 0.005
 ONE_BUCKET = 25.0
 BEFORE, AFTER = 5, 4
 """Steps trained before the state is saved, and after."""
-RESUME_OPTIONS = TopKOptions(ratio=0.1, start_iter=2)
-
-
-class Run:
-    """A DDP model with the hook, its optimizer and this rank's data: step ``t`` is the same batch
-    whichever run trains it."""
-
-    def __init__(
-        self, ctx: RunContext, bucket_cap_mb: float, resume: dict[str, Any] | None = None
-    ) -> None:
-        self.ctx = ctx
-        torch.manual_seed(1)
-        self.module = nn.Sequential(
-            nn.Linear(16, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 4)
-        )
-        if resume is not None:
-            self.module.load_state_dict(resume["model"])
-        self.ddp = DistributedDataParallel(self.module, bucket_cap_mb=bucket_cap_mb)
-        self.state = topk_compression(self.ddp, ctx=ctx, options=RESUME_OPTIONS)
-        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9)
-        if resume is not None:
-            # A copy: SGD keeps the tensors it is given as its momentum buffers, and steps them
-            # in place; the next run resumed from `resume` would start from where this one went.
-            self.optimizer.load_state_dict(copy.deepcopy(resume["optimizer"]))
-            if resume["hook"] is not None:
-                self.state.load_state_dict(resume["hook"])
-
-    def train(self, steps: range) -> None:
-        for step in steps:
-            g = torch.Generator().manual_seed(1000 * self.ctx.rank + step)
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            self.optimizer.zero_grad()
-            torch.autograd.backward(nn.functional.mse_loss(self.ddp(x), y))
-            self.optimizer.step()
-
-    def saved(self) -> dict[str, Any]:
-        """The model's, optimizer's and hook's states, the hook's through ``torch.save`` and
-        ``torch.load(weights_only=True)``, as a checkpoint keeps it."""
-        buffer = io.BytesIO()
-        torch.save(self.state.state_dict(), buffer)
-        buffer.seek(0)
-        return {
-            "model": copy.deepcopy(self.module.state_dict()),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "hook": torch.load(buffer, weights_only=True),
-        }
-
-    def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.module.parameters()]
+RESUME_OPTIONS = {"ratio": 0.1, "start_iter": 2}
 
 
 def resume(ctx: RunContext) -> dict[str, Any]:
     """Train, save, go on; and resume from what was saved: with the same buckets, with one
     bucket (a layout the state was not kept in), and without the hook's state."""
-    run = Run(ctx, SMALL_BUCKETS)
+    run = Run(ctx, RESUME_OPTIONS, SMALL_BUCKETS, hook="topk")
     run.train(range(BEFORE))
     saved = run.saved()
     run.train(range(BEFORE, BEFORE + AFTER))
@@ -421,7 +372,7 @@ def resume(ctx: RunContext) -> dict[str, Any]:
         ("resumed with one bucket", ONE_BUCKET, saved["hook"]),
         ("resumed without the hook's state", SMALL_BUCKETS, None),
     ):
-        again = Run(ctx, cap, resume={**saved, "hook": hook})
+        again = Run(ctx, RESUME_OPTIONS, cap, resume={**saved, "hook": hook}, hook="topk")
         again.train(range(BEFORE, BEFORE + AFTER))
         out[kind] = again.params()
     errors = {}
