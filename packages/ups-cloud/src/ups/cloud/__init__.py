@@ -3,8 +3,20 @@
 ``local`` runs ``torch.distributed.run`` on this machine as a detached job whose record, log
 and exit status live in its run folder, so it can be followed and cancelled from any later
 process; see :mod:`ups.cloud.local`. Select it with ``launch: {name: local}``.
+
+:class:`StartupScript` renders the start-up script the cloud launchers give a machine; see
+:mod:`ups.cloud.startup`.
 """
 
 from .local import LaunchRecord, LocalLauncher, LocalLauncherOptions, State
+from .startup import Env, StartupScript, upload
 
-__all__ = ["LaunchRecord", "LocalLauncher", "LocalLauncherOptions", "State"]
+__all__ = [
+    "Env",
+    "LaunchRecord",
+    "LocalLauncher",
+    "LocalLauncherOptions",
+    "StartupScript",
+    "State",
+    "upload",
+]
