@@ -144,7 +144,7 @@ def test_a_missing_config_or_job_is_a_usage_error(tmp_path: Path) -> None:
         launcher.submit(LaunchRequest(config=tmp_path / "nope.yaml", run_dir=tmp_path))
     with pytest.raises(UsageError, match="no job 'nope'"):
         launcher.status("nope")
-    with pytest.raises(UsageError, match="no launch record"):
+    with pytest.raises(UsageError, match="no job record"):
         launcher.cancel(str(tmp_path))
 
 
@@ -158,16 +158,19 @@ def test_a_job_that_exits_non_zero_fails(
     wait_for(lambda: launcher.status(handle) != "RUNNING", 30, "the job's end")
     assert launcher.status(handle) == "FAILED"
     assert launcher.status("jobs/tiny") == "FAILED"  # a relative folder works too
-    record = json.loads((project / "jobs" / "tiny" / "launch.json").read_text())
+    record = json.loads((project / "jobs" / "tiny" / "job.json").read_text())
     assert record["command"][0] == shutil.which("false")
     assert json.loads((project / "jobs" / "tiny" / "exit.json").read_text())["returncode"] == 1
 
-    # Submitting again keeps the earlier launch's files.
+    # Submitting again keeps the earlier launch's files, the ups command's record among them.
+    (project / "jobs" / "tiny" / "launch.json").write_text('{"format": 1}\n')
     handle = launcher.submit(LaunchRequest(config=Path("run.yaml"), run_dir=Path("jobs")))
     wait_for(lambda: launcher.status(handle) != "RUNNING", 30, "the second job's end")
     archived = list((project / "jobs" / "tiny" / "launches").iterdir())
     assert len(archived) == 1
-    assert json.loads((archived[0] / "launch.json").read_text()) == record
+    assert json.loads((archived[0] / "job.json").read_text()) == record
+    assert (archived[0] / "launch.json").read_text() == '{"format": 1}\n'
+    assert not (project / "jobs" / "tiny" / "launch.json").exists()
 
 
 @pytest.mark.slow
@@ -180,7 +183,7 @@ def test_a_submitted_run_trains_to_success(project: Path, launcher: LocalLaunche
     )
     handle = launcher.submit(request)
     assert handle == str(project / "runs" / "tiny")
-    record = json.loads((Path(handle) / "launch.json").read_text())
+    record = json.loads((Path(handle) / "job.json").read_text())
     assert record["command_line"] == launcher.dry_run(request)
     assert record["log"] == str(Path(handle) / "launch.log")
 
@@ -213,7 +216,7 @@ def test_cancel_stops_the_whole_job(project: Path, launcher: LocalLauncher) -> N
     wait_for(lambda: len(list(pids.iterdir())) == 2, 120, "both ranks starting")
     time.sleep(1)
     assert launcher.status(handle) == "RUNNING"
-    leader = json.loads((Path(handle) / "launch.json").read_text())["pid"]
+    leader = json.loads((Path(handle) / "job.json").read_text())["pid"]
     ranks = [int(p.name) for p in pids.iterdir()]
     assert not any(gone(pid) for pid in [leader, *ranks])
     assert len(group_members(leader)) >= 2  # the runner and torch's agent

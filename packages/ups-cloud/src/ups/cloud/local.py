@@ -8,14 +8,16 @@ in a session of its own, through a small runner (:mod:`ups.cloud._runner`) that 
 status. Everything about the job lives in its run folder, ``<run_dir>/<run.name>/`` (the
 training run's own folder when ``run.output_dir`` is ``run_dir``, as by default)::
 
-    launch.json   the launch record: pid, command, working directory, start time, log path
+    job.json      the job record: pid, command, working directory, start time, log path
     launch.log    the job's stdout and stderr
     exit.json     the exit status, written when the job ends
     cancelled     written by ``cancel``
 
 so ``status``, ``logs`` and ``cancel`` work from any later process, given the folder (the
-handle ``submit`` returns) or the run's name (looked up under ``./runs``). A folder's earlier
-launches are moved to ``launches/<start time>/`` when it is submitted again.
+handle ``submit`` returns) or the run's name (looked up under ``./runs``). ``ups launch`` writes
+its own, launcher-independent record, ``launch.json``, next to them (see
+:mod:`ups.core.launch_record`). A folder's earlier launches, those files and ``launch.json``, are
+moved to ``launches/<start time>/`` when it is submitted again.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ log = structlog.get_logger()
 State = Literal["RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
 """What :meth:`LocalLauncher.status` answers. A job is never ``PENDING`` here: it starts at once."""
 
-RECORD_FILE = "launch.json"
+RECORD_FILE = "job.json"
+"""The job record (:class:`LaunchRecord`); ``launch.json`` is the ``ups`` command's record."""
+CLI_RECORD_FILE = "launch.json"
 CANCEL_FILE = "cancelled"
 HISTORY = "launches"
 DEFAULT_RUN_DIR = LaunchRequest(config=Path()).run_dir
@@ -69,7 +73,7 @@ class LocalLauncherOptions:
 
 @attrs.frozen(kw_only=True)
 class LaunchRecord:
-    """The content of ``launch.json``: how to find and follow a job that was started."""
+    """The content of ``job.json``: how to find and follow a job that was started."""
 
     name: str
     pid: int
@@ -99,7 +103,7 @@ class LaunchRecord:
 
     @classmethod
     def read(cls, path: Path) -> LaunchRecord:
-        """Read ``launch.json``; a damaged one is a :class:`UsageError` naming it."""
+        """Read ``job.json``; a damaged one is a :class:`UsageError` naming it."""
         try:
             data = json.loads(path.read_text())
             return cls(
@@ -112,7 +116,7 @@ class LaunchRecord:
                 log=str(data["log"]),
             )
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise UsageError(f"{path}: not a readable launch record ({error})") from None
+            raise UsageError(f"{path}: not a readable job record ({error})") from None
 
 
 class LocalLauncher:
@@ -251,7 +255,7 @@ class LocalLauncher:
                 return folder.resolve(), LaunchRecord.read(folder / RECORD_FILE)
         looked = " or ".join(str(c / RECORD_FILE) for c in candidates)
         raise UsageError(
-            f"no job {handle!r}: no launch record at {looked}; pass the folder submit returned"
+            f"no job {handle!r}: no job record at {looked}; pass the folder submit returned"
         )
 
     def _archive_previous(self, folder: Path) -> None:
@@ -266,7 +270,7 @@ class LocalLauncher:
         stamp = previous.start_time.replace(":", "").replace("-", "").replace("+0000", "Z")
         archive = folder / HISTORY / f"{stamp}-{previous.pid}"
         archive.mkdir(parents=True, exist_ok=True)
-        for name in (RECORD_FILE, LOG_FILE, EXIT_FILE, CANCEL_FILE):
+        for name in (RECORD_FILE, CLI_RECORD_FILE, LOG_FILE, EXIT_FILE, CANCEL_FILE):
             if (folder / name).exists():
                 os.replace(folder / name, archive / name)
 

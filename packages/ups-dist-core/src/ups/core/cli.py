@@ -1,4 +1,6 @@
-"""The ``ups`` command: ``train``, ``validate``, ``tune``, ``report`` and ``plugins``.
+"""The ``ups`` command: ``train``, ``validate``, ``tune``, ``report``, ``plugins``, and
+``launch``, ``status``, ``logs`` and ``cancel`` (through a launcher plugin; see
+:mod:`ups.core.launch_record`).
 
 Usage errors (bad config, unknown plugin, missing file) print one line and exit with status 2.
 """
@@ -8,8 +10,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -19,10 +23,25 @@ from . import launch, logs
 from .config import Config, load_config
 from .context import RunContext, launched
 from .errors import UsageError
+from .launch_record import (
+    DEFAULT_RUN_DIR,
+    RECORD_FILE,
+    TERMINAL,
+    LaunchRecord,
+    build_launcher,
+    find_record,
+    new_record,
+)
 from .plugins import FAMILIES, Registry, load_plugins
+from .records import Launcher, LaunchRequest
 from .validate import validate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+T = TypeVar("T")
+
+
+class LauncherError(Exception):
+    """A launcher's call failed for a reason other than the user's input: exit status 1."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,6 +101,45 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="the figure's file (default: RUN_DIR/report.png)",
     )
+
+    launch_ = commands.add_parser(
+        "launch", help="start a config's training through a launcher (launch.name)"
+    )
+    launch_.add_argument("config", type=Path, help="the run's YAML file")
+    launch_.add_argument(
+        "--launcher", metavar="NAME", help="the launcher plugin (default: the config's launch.name)"
+    )
+    launch_.add_argument(
+        "--nproc", type=int, help="processes per machine (default: distributed.nproc)"
+    )
+    launch_.add_argument("--nnodes", type=int, default=1, help="machines (default: 1)")
+    launch_.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print exactly what would be run or sent, secrets redacted; start nothing",
+    )
+    _overrides(launch_)
+
+    run_help = "a launched run: its name (runs/RUN/launch.json), its folder or its launch.json"
+    status = commands.add_parser("status", help="print a launched run's state")
+    status.add_argument("run", metavar="RUN", help=run_help)
+    logs_ = commands.add_parser("logs", help="print a launched run's output")
+    logs_.add_argument("run", metavar="RUN", help=run_help)
+    logs_.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="print new output until the run ends; exit 0 if it succeeded, else 1",
+    )
+    logs_.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how often --follow asks the launcher (default: 2)",
+    )
+    cancel = commands.add_parser("cancel", help="stop a launched run and release what it holds")
+    cancel.add_argument("run", metavar="RUN", help=run_help)
     return parser
 
 
@@ -105,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"ups: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except LauncherError as error:
+        print(f"ups: error: {error}", file=sys.stderr)
+        return EXIT_FAILED
     except ChildFailedError as error:
         # Each failed rank, first to fail first: the message its error file holds (see
         # _train), else how the process ended.
@@ -209,10 +270,131 @@ def _report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _launch(args: argparse.Namespace) -> int:
+    if args.nproc is not None and args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, not {args.nproc}")
+    if args.nnodes < 1:
+        raise UsageError(f"--nnodes must be >= 1, not {args.nnodes}")
+    config = load_config(args.config, args.override)
+    name = args.launcher or config.launch.name
+    if name is None:
+        raise UsageError(
+            "launch.name: no launcher chosen; set launch.name in the config "
+            "(e.g. launch: {name: local}) or pass --launcher NAME (see ups plugins)"
+        )
+    # The config's options are for the launcher it names: another one chosen with --launcher
+    # starts from its defaults (set its options with -o launch.name=NAME -o launch.options...).
+    options = config.launch.options if config.launch.name in (None, name) else {}
+    registry = load_plugins()
+    launcher = build_launcher(registry, name, options)
+    request = LaunchRequest(
+        config=args.config,
+        nproc_per_node=args.nproc or config.distributed.nproc,
+        nnodes=args.nnodes,
+        overrides=tuple(args.override),
+        run_dir=Path(config.run.output_dir),
+    )
+    if args.dry_run:
+        text = _call(name, "dry_run", lambda: launcher.dry_run(request))
+        print(text, end="" if text.endswith("\n") else "\n")
+        return EXIT_OK
+    folder = request.run_dir / config.run.name
+    _refuse_if_running(folder / RECORD_FILE, registry)
+    handle = _call(name, "submit", lambda: launcher.submit(request))
+    record = new_record(name, options, handle, request)
+    try:
+        path = record.write(folder)
+    except OSError as error:
+        raise LauncherError(
+            f"the job was submitted ({name}: {handle}) but its launch record could not be "
+            f"written to {folder / RECORD_FILE}: {error}; cancel it through {name} if need be"
+        ) from None
+    run = config.run.name if (DEFAULT_RUN_DIR / config.run.name / RECORD_FILE).is_file() else path
+    print(f"launched {config.run.name!r} with {name}: {handle}")
+    print(f"record: {path}")
+    print(f"follow: ups status {run} | ups logs {run} --follow | ups cancel {run}")
+    return EXIT_OK
+
+
+def _refuse_if_running(path: Path, registry: Registry) -> None:
+    """Refuse to replace the record of a job that has not ended: it would be lost track of."""
+    if not path.is_file():
+        return
+    try:
+        previous = LaunchRecord.read(path)
+        launcher = build_launcher(registry, previous.launcher, previous.options, str(path))
+        state = launcher.status(previous.handle)
+    except Exception:  # a record that cannot be followed any more does not hold a job
+        return
+    if state not in TERMINAL:
+        raise UsageError(
+            f"{path}: the run's previous job ({previous.launcher}: {previous.handle}) is "
+            f"{state}; cancel it (ups cancel {path.parent}), or choose another run.name "
+            "(-o run.name=...)"
+        )
+
+
+def _launched(run: str) -> tuple[LaunchRecord, Launcher]:
+    path = find_record(run)
+    record = LaunchRecord.read(path)
+    return record, build_launcher(load_plugins(), record.launcher, record.options, str(path))
+
+
+def _call(launcher: str, method: str, call: Callable[[], T]) -> T:
+    """``call()``; an exception other than a usage error becomes :class:`LauncherError`."""
+    try:
+        return call()
+    except UsageError:
+        raise
+    except Exception as error:
+        raise LauncherError(
+            f"launcher {launcher!r}: {method} failed: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _status(args: argparse.Namespace) -> int:
+    record, launcher = _launched(args.run)
+    print(_call(record.launcher, "status", lambda: launcher.status(record.handle)))
+    return EXIT_OK
+
+
+def _logs(args: argparse.Namespace) -> int:
+    record, launcher = _launched(args.run)
+    if not args.follow:
+        text = _call(record.launcher, "logs", lambda: launcher.logs(record.handle))
+        sys.stdout.write(text)
+        return EXIT_OK
+    if args.interval <= 0:
+        raise UsageError(f"--interval must be > 0, not {args.interval}")
+    seen = ""
+    while True:
+        # The state first: logs read after a terminal state hold the job's last words.
+        state = _call(record.launcher, "status", lambda: launcher.status(record.handle))
+        text = _call(record.launcher, "logs", lambda: launcher.logs(record.handle))
+        sys.stdout.write(text[len(seen) :] if text.startswith(seen) else text)
+        sys.stdout.flush()
+        seen = text
+        if state in TERMINAL:
+            print(f"ups: {args.run}: {state}", file=sys.stderr)
+            return EXIT_OK if state == "SUCCEEDED" else EXIT_FAILED
+        time.sleep(args.interval)
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    record, launcher = _launched(args.run)
+    _call(record.launcher, "cancel", lambda: launcher.cancel(record.handle))
+    print(_call(record.launcher, "status", lambda: launcher.status(record.handle)))
+    return EXIT_OK
+
+
 _COMMANDS = {
     "tune": _tune,
     "train": _train,
     "validate": _validate,
     "plugins": _plugins,
     "report": _report,
+    "launch": _launch,
+    "status": _status,
+    "logs": _logs,
+    "cancel": _cancel,
 }
