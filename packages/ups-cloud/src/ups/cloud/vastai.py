@@ -1,0 +1,578 @@
+"""The ``vastai`` launcher: rent GPU machines on VastAI and run the start-up script on them.
+
+``submit`` searches the offers (``POST /bundles/``: GPU name and count, GPU RAM, reliability,
+price cap; cheapest first), creates one instance per machine (``PUT /asks/OFFER/``) with
+``image`` and the start-up script of :mod:`ups.cloud.startup` as its on-start command, and waits
+until every instance is ``running`` (``GET /instances/ID/``). ``status`` reads the instances,
+``logs`` fetches their logs (``PUT /instances/request_logs/ID/``, then the ``result_url`` it
+names) and ``cancel`` destroys them (``DELETE /instances/ID/``). All of it goes through the
+maintained ``vastai`` package's API layer (``vastai.api``: its ``VastClient``, which retries
+429 and 502/503/504 with backoff, honouring ``Retry-After``), pointed at ``url``.
+
+The handle is ``vastai:ID1,ID2,...``: the instance ids, the first one the rendezvous host.
+
+Several machines: the first instance is created, and once it is running its public address
+and the host port mapped to its container port ``rdzv_port`` become the c10d rendezvous
+endpoint of the others (it itself uses ``localhost``), which are then created. If creating any
+of them fails, or one is not running within ``ready_timeout_s``, every instance created is
+destroyed and the error names them.
+
+Secrets: the API key is read from the environment variable ``api_key_env`` or from the file
+``api_key_file``, and handed to the client in this process: it is never on a command line,
+in the dry run, the handle, a log line or the start-up script. The script stops its own
+instance at the end (``auto_shutdown``) with the instance-scoped key VastAI puts in every
+container (``$CONTAINER_API_KEY``, given to the ``vastai`` CLI as ``VAST_API_KEY`` in its
+environment), after labelling the instance ``ups-exit-STATUS`` so that ``status`` can tell
+success from failure.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import shlex
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import attrs
+import structlog
+
+from ups.core import LaunchRequest, UsageError
+
+from .startup import EXIT_FILE, StartupScript
+
+log = structlog.get_logger()
+
+State = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
+HANDLE_PREFIX = "vastai:"
+DEFAULT_URL = "https://console.vast.ai"
+EXIT_LABEL = "ups-exit-"
+"""The label the start-up script gives its instance at the end, followed by the exit status."""
+VASTAI_PIN = "vastai==1.9.1"
+"""What the start-up script installs on the machine to stop its instance."""
+_NEAREST = 3
+_T = TypeVar("_T")
+
+
+class VastAIError(RuntimeError):
+    """VastAI refused or failed a request; the message is one line and names what was left."""
+
+
+def _positive(_i: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise UsageError(f"vastai: {attribute.name} must be > 0, not {value!r}")
+
+
+def _fraction(_i: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0 <= value <= 1:
+        raise UsageError(f"vastai: {attribute.name} must be in [0, 1], not {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class VastAILauncherOptions:
+    """Options of the ``vastai`` launcher."""
+
+    gpu_name: str | None = None
+    """The GPU model as VastAI names it (``"RTX 4090"``, ``"H100 SXM"``; ``_`` for spaces is
+    accepted); ``None``: any."""
+    num_gpus: int | None = attrs.field(default=None, validator=_positive)
+    """GPUs per machine; ``None``: the request's ``nproc_per_node``."""
+    min_gpu_ram_gb: float | None = attrs.field(default=None, validator=_positive)
+    min_reliability: float = attrs.field(default=0.95, validator=_fraction)
+    max_dph: float | None = attrs.field(default=None, validator=_positive)
+    """The highest price per hour of one machine, in dollars."""
+    image: str = "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"
+    disk_gb: float = attrs.field(default=40.0, validator=_positive)
+    api_key_env: str = "VAST_API_KEY"
+    """The environment variable holding the API key (read when ``api_key_file`` is unset)."""
+    api_key_file: str | None = None
+    """A file holding the API key (takes precedence over ``api_key_env``)."""
+    url: str = DEFAULT_URL
+    """The VastAI server."""
+    ready_timeout_s: float = attrs.field(default=900.0, validator=_positive)
+    """How long an instance may take to be ``running`` before all are destroyed."""
+    poll_s: float = attrs.field(default=10.0, validator=_positive)
+    retries: int = attrs.field(default=6, validator=_positive)
+    """Attempts per request on 429 and 502/503/504 (the client backs off between them)."""
+    upload_url: str | None = None
+    """An fsspec URL the run folder is uploaded to at the end (see :mod:`ups.cloud.startup`)."""
+    auto_shutdown: bool = True
+    """Stop the instance when the script ends, so that only its disk bills."""
+    shutdown_action: Literal["stop", "destroy"] = "stop"
+    """``stop`` keeps the disk, the logs and the exit label; ``destroy`` removes everything."""
+    packages: Mapping[str, str] | None = None
+    """Distributions to install on the machine at exact versions (name -> version)."""
+    files: Mapping[str, str] = attrs.field(factory=dict)
+    """Files the script writes on the machine first (see :class:`StartupScript`)."""
+    data_step: str | None = None
+    rdzv_port: int = 29500
+    label: str = "ups"
+
+
+def _http_error(action: str, error: Exception) -> Exception:
+    """A one-line error for a failed request (never its headers, which hold the key)."""
+    import requests
+
+    if isinstance(error, requests.HTTPError):
+        code = error.response.status_code if error.response is not None else 0
+        if code in (401, 403):
+            return UsageError(
+                f"vastai: {action}: the server refused the API key (HTTP {code}); "
+                "check the key in the environment variable or file the options name"
+            )
+        if code == 429:
+            return VastAIError(
+                f"vastai: {action}: rate limited (HTTP 429) after retrying with backoff; "
+                "try again later"
+            )
+        return VastAIError(f"vastai: {action}: the server answered HTTP {code}")
+    return VastAIError(f"vastai: {action}: {type(error).__name__}")
+
+
+def _retry(action: str, call: Callable[[], _T]) -> _T:
+    """Run one API call (the client retries 429 and 502-504), turning failures into one-line
+    errors."""
+    import requests
+
+    try:
+        return call()
+    except requests.RequestException as error:
+        raise _http_error(action, error) from None
+
+
+class VastAILauncher:
+    """Runs configs on VastAI instances (see the module doc)."""
+
+    def __init__(self, *, options: VastAILauncherOptions) -> None:
+        self.options = options
+
+    # -- the API key and the client -----------------------------------------------------------
+
+    def _api_key(self) -> str:
+        options = self.options
+        if options.api_key_file is not None:
+            try:
+                key = Path(options.api_key_file).expanduser().read_text().strip()
+            except OSError as error:
+                raise UsageError(
+                    f"vastai: cannot read api_key_file {options.api_key_file}: {error.strerror}"
+                ) from None
+            if not key:
+                raise UsageError(f"vastai: api_key_file {options.api_key_file} is empty")
+            return key
+        key = os.environ.get(options.api_key_env, "").strip()
+        if not key:
+            raise UsageError(
+                f"vastai: no API key: set ${options.api_key_env} or name a file in api_key_file"
+            )
+        return key
+
+    def _key_or_none(self) -> str | None:
+        try:
+            return self._api_key()
+        except UsageError:
+            return None
+
+    def _client(self) -> Any:
+        from vastai.api.client import VastClient  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        return VastClient(
+            api_key=self._api_key(),
+            server_url=self.options.url.rstrip("/"),
+            retry=self.options.retries,
+        )
+
+    # -- offers ---------------------------------------------------------------------------------
+
+    def query(self, request: LaunchRequest) -> dict[str, Any]:
+        """The offer filter sent to ``/bundles/`` (GPU RAM in MB, as the client's parser makes)."""
+        o = self.options
+        query: dict[str, Any] = {"num_gpus": {"eq": self._num_gpus(request)}}
+        if o.gpu_name is not None:
+            query["gpu_name"] = {"eq": o.gpu_name.replace("_", " ")}
+        if o.min_gpu_ram_gb is not None:
+            query["gpu_ram"] = {"gte": o.min_gpu_ram_gb * 1000}
+        query["reliability"] = {"gte": o.min_reliability}
+        if o.max_dph is not None:
+            query["dph_total"] = {"lte": o.max_dph}
+        return query
+
+    def _num_gpus(self, request: LaunchRequest) -> int:
+        return self.options.num_gpus or request.nproc_per_node
+
+    def _search(self, client: Any, query: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+        from vastai.api import offers  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        found = _retry(
+            "search offers",
+            lambda: offers.search_offers(
+                client,
+                query=dict(query),
+                order=[["dph_total", "asc"]],
+                limit=limit,
+                storage=self.options.disk_gb,
+            ),
+        )
+        return list(found)
+
+    def choose_offers(self, client: Any, request: LaunchRequest) -> list[dict[str, Any]]:
+        """The ``nnodes`` cheapest matching offers; a :class:`UsageError` naming an unknown GPU
+        or showing the nearest offers when too few match."""
+        query = self.query(request)
+        found = self._search(client, query, limit=max(request.nnodes, 1) * 4)
+        if len(found) >= request.nnodes:
+            return found[: request.nnodes]
+        # Too few: look at the whole market (the defaults only) to say why.
+        market = self._search(client, {}, limit=500)
+        names = sorted({str(offer.get("gpu_name")) for offer in market})
+        wanted = self.options.gpu_name
+        if wanted is not None and wanted.replace("_", " ").lower() not in {
+            n.lower() for n in names
+        }:
+            close = difflib.get_close_matches(wanted.replace("_", " "), names, n=3, cutoff=0.4)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise UsageError(
+                f"vastai: unknown GPU name {wanted!r}{hint} (offered now: {', '.join(names)})"
+            )
+        nearest = sorted(market, key=lambda offer: (_misses(offer, query), offer["dph_total"]))
+        shown = "; ".join(_describe(offer) for offer in nearest[:_NEAREST]) or "none"
+        raise UsageError(
+            f"vastai: {len(found)} offer(s) match {_query_text(query)}, {request.nnodes} "
+            f"needed; nearest: {shown}"
+        )
+
+    # -- the start-up script and the create request --------------------------------------------
+
+    def script(self, request: LaunchRequest, node_rank: int, rdzv: tuple[str, int] | None) -> str:
+        """The start-up script of machine ``node_rank`` (``rdzv``: the first one's endpoint)."""
+        o = self.options
+        if request.nnodes == 1 or node_rank == 0:
+            host, port = "localhost", o.rdzv_port
+        else:
+            assert rdzv is not None
+            host, port = rdzv
+        startup = StartupScript(
+            request=request,
+            files=o.files,
+            packages=o.packages,
+            data_step=o.data_step,
+            nproc_per_node=self._num_gpus(request),
+            node_rank=node_rank,
+            rdzv_host=host if request.nnodes > 1 else None,
+            rdzv_port=port,
+            upload_url=o.upload_url,
+            auto_shutdown=o.auto_shutdown,
+            shutdown_command=self.shutdown_command(request),
+        )
+        text = startup.render()
+        key = self._key_or_none()
+        if key and len(key) >= 8 and key in text:  # a real key is 64 characters
+            raise UsageError(
+                "vastai: the start-up script would contain the API key in clear text; keep it "
+                "out of files, commands, paths and URLs"
+            )
+        return text
+
+    def shutdown_command(self, request: LaunchRequest) -> str:
+        """What the script runs at the end: label the instance with the exit status, then stop
+        (or destroy) it, with the container's own key in the CLI's environment."""
+        o = self.options
+        run_dir = StartupScript(request=_single(request)).run_dir
+        exit_file = shlex.quote(f"{run_dir}/{EXIT_FILE}")
+        cli = f'VAST_API_KEY="$CONTAINER_API_KEY" VAST_URL={shlex.quote(o.url)} vastai'
+        action = "destroy instance -y" if o.shutdown_action == "destroy" else "stop instance"
+        return (
+            f"command -v vastai >/dev/null || python3 -m pip install -q {VASTAI_PIN}; "
+            f'{cli} label instance "$CONTAINER_ID" "{EXIT_LABEL}$(cat {exit_file})"; '
+            f'{cli} {action} "$CONTAINER_ID"'
+        )
+
+    def create_payload(self, request: LaunchRequest, script: str) -> dict[str, Any]:
+        """The body of the create request, built by the client's own builder."""
+        from vastai.api.instances import build_create_instance_payload  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        o = self.options
+        env = {f"-p {o.rdzv_port}:{o.rdzv_port}": "1"} if request.nnodes > 1 else {}
+        payload: dict[str, Any] = build_create_instance_payload(
+            image=o.image, disk=o.disk_gb, env=env, label=o.label, onstart_cmd=script,
+            runtype="ssh_proxy", cancel_unavail=True,
+        )  # fmt: skip
+        return payload
+
+    # -- the Launcher protocol -----------------------------------------------------------------
+
+    def dry_run(self, request: LaunchRequest) -> str:
+        """The offer query, the chosen offers and hourly cost (when a key is set: the search is
+        read-only), and each create request with its start-up script. No key appears."""
+        _check_request(request)
+        query = self.query(request)
+        lines = [
+            f"# vastai: {request.nnodes} machine(s) of {self._num_gpus(request)} GPU(s) "
+            f"at {self.options.url}",
+            "# offer search: POST /api/v0/bundles/ (cheapest first)",
+            json.dumps(query, sort_keys=True),
+        ]
+        offers: list[dict[str, Any]] | None = None
+        try:
+            client = self._client()
+        except UsageError as error:
+            lines.append(f"# offers not searched: {error}")
+        else:
+            offers = self.choose_offers(client, request)
+            for rank, offer in enumerate(offers):
+                lines.append(f"# node {rank}: offer {_describe(offer)}")
+            cost = sum(float(offer["dph_total"]) for offer in offers)
+            lines.append(f"# estimated cost: ${cost:.4f}/hour for {len(offers)} machine(s)")
+        rdzv = ("FIRST_INSTANCE_PUBLIC_IP", 0) if request.nnodes > 1 else None
+        for rank in range(request.nnodes):
+            offer_id = offers[rank]["id"] if offers else "OFFER_ID"
+            payload = self.create_payload(request, self.script(request, rank, rdzv))
+            script = payload.pop("onstart")
+            lines += [
+                f"# create node {rank}: PUT /api/v0/asks/{offer_id}/",
+                json.dumps(payload, sort_keys=True),
+                f"# on-start script of node {rank}:",
+                script,
+            ]
+        if request.nnodes > 1:
+            lines.append(
+                "# nodes 1.. are created once node 0 runs; FIRST_INSTANCE_PUBLIC_IP:0 becomes "
+                f"its public address and the host port mapped to {self.options.rdzv_port}/tcp"
+            )
+        return "\n".join(lines) + "\n"
+
+    def submit(self, request: LaunchRequest) -> str:
+        """Create the instances and wait until they run; return ``vastai:ID1,ID2,...``.
+
+        Whatever fails after the first instance is created destroys every instance created."""
+        _check_request(request)
+        client = self._client()
+        offers = self.choose_offers(client, request)
+        created: list[int] = []
+        try:
+            rdzv: tuple[str, int] | None = None
+            for rank, offer in enumerate(offers):
+                created.append(self._create(client, request, offer, rank, rdzv))
+                if rank == 0:
+                    first = self._wait_running(client, created[0])
+                    if request.nnodes > 1:
+                        rdzv = _endpoint(first, self.options.rdzv_port, created[0])
+            for instance_id in created[1:]:
+                self._wait_running(client, instance_id)
+        except BaseException as error:
+            left = self._destroy_all(client, created)
+            done = f"destroyed instance(s) {_ids(created)}" if created else "nothing was created"
+            if left:
+                done += f"; FAILED to destroy {_ids(left)}: destroy them yourself"
+            message = f"{error} ({done})"
+            if isinstance(error, UsageError):
+                raise UsageError(message) from None
+            if isinstance(error, Exception):
+                raise VastAIError(message) from None
+            raise
+        handle = HANDLE_PREFIX + ",".join(str(i) for i in created)
+        log.info("vastai job submitted", handle=handle)
+        return handle
+
+    def status(self, handle: str) -> State:
+        """``PENDING`` until every instance runs, then ``RUNNING``; at the end, from the label
+        the script sets, ``SUCCEEDED`` or ``FAILED``; ``CANCELLED`` once destroyed."""
+        client = self._client()
+        states = [self._state(client, i) for i in _parse(handle)]
+        order: tuple[State, ...] = ("FAILED", "CANCELLED", "RUNNING", "PENDING")
+        return next((state for state in order if state in states), "SUCCEEDED")
+
+    def logs(self, handle: str) -> str:
+        """Every instance's log (its on-start script's output), the first machine first."""
+        from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        client = self._client()
+        ids = _parse(handle)
+        parts = []
+        for rank, instance_id in enumerate(ids):
+            text = _retry(
+                f"logs of instance {instance_id}",
+                lambda i=instance_id: instances.logs(client, i),  # type: ignore[misc]
+            )
+            if not isinstance(text, str):
+                text = json.dumps(text)
+            parts.append(
+                f"==> instance {instance_id} (node {rank}) <==\n{text}" if len(ids) > 1 else text
+            )
+        return "\n".join(parts)
+
+    def cancel(self, handle: str) -> None:
+        """Destroy every instance of the job (those already gone are skipped)."""
+        client = self._client()
+        left = self._destroy_all(client, _parse(handle))
+        if left:
+            raise VastAIError(f"vastai: could not destroy instance(s) {_ids(left)}")
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _create(
+        self,
+        client: Any,
+        request: LaunchRequest,
+        offer: Mapping[str, Any],
+        rank: int,
+        rdzv: tuple[str, int] | None,
+    ) -> int:
+        from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        payload = self.create_payload(request, self.script(request, rank, rdzv))
+        answer = _retry(
+            f"create an instance from offer {offer['id']}",
+            lambda: instances.create_instance_from_payload(client, offer["id"], payload),
+        )
+        instance_id = answer.get("new_contract") if isinstance(answer, dict) else None
+        if not isinstance(instance_id, int):
+            raise VastAIError(f"vastai: offer {offer['id']} was not rented: {answer!r:.200}")
+        log.info("vastai instance created", instance=instance_id, offer=offer["id"], node=rank)
+        return instance_id
+
+    def _show(self, client: Any, instance_id: int) -> dict[str, Any] | None:
+        """The instance's row; ``None`` when it does not exist (any more)."""
+        import requests
+        from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        try:
+            row: dict[str, Any] | None = instances.show_instance(client, instance_id)
+        except requests.HTTPError as error:
+            if error.response is not None and error.response.status_code == 404:
+                return None
+            raise _http_error(f"show instance {instance_id}", error) from None
+        except requests.RequestException as error:
+            raise _http_error(f"show instance {instance_id}", error) from None
+        return row
+
+    def _wait_running(self, client: Any, instance_id: int) -> dict[str, Any]:
+        deadline = time.monotonic() + self.options.ready_timeout_s
+        last = "unknown"
+        while True:
+            row = self._show(client, instance_id)
+            if row is None:
+                raise VastAIError(f"vastai: instance {instance_id} disappeared while starting")
+            last = str(row.get("actual_status"))
+            if last == "running":
+                return row
+            if last in ("exited", "offline") or row.get("intended_status") == "stopped":
+                message = row.get("status_msg") or last
+                raise VastAIError(f"vastai: instance {instance_id} failed to start: {message}")
+            if time.monotonic() >= deadline:
+                raise VastAIError(
+                    f"vastai: instance {instance_id} was not running after "
+                    f"{self.options.ready_timeout_s:g}s (last status {last!r})"
+                )
+            time.sleep(self.options.poll_s)
+
+    def _state(self, client: Any, instance_id: int) -> State:
+        row = self._show(client, instance_id)
+        if row is None or row.get("intended_status") == "destroyed":
+            return "CANCELLED"
+        label = str(row.get("label") or "")
+        if label.startswith(EXIT_LABEL):
+            return "SUCCEEDED" if label[len(EXIT_LABEL) :].strip() == "0" else "FAILED"
+        actual = row.get("actual_status")
+        if actual == "running":
+            return "RUNNING"
+        if actual in ("exited", "stopped", "offline"):
+            return "FAILED"  # ended without the script's exit label
+        return "PENDING"
+
+    def _destroy_all(self, client: Any, ids: Sequence[int]) -> list[int]:
+        """Destroy ``ids``; return those that could not be destroyed."""
+        import requests
+        from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        left = []
+        for instance_id in ids:
+            try:
+                instances.destroy_instance(client, instance_id)
+                log.info("vastai instance destroyed", instance=instance_id)
+            except requests.HTTPError as error:
+                if error.response is None or error.response.status_code != 404:
+                    left.append(instance_id)
+            except requests.RequestException:
+                left.append(instance_id)
+        return left
+
+
+def _check_request(request: LaunchRequest) -> None:
+    if request.nnodes < 1:
+        raise UsageError(f"vastai: nnodes must be >= 1, not {request.nnodes}")
+    if request.nproc_per_node < 1:
+        raise UsageError(f"vastai: nproc_per_node must be >= 1, not {request.nproc_per_node}")
+
+
+def _single(request: LaunchRequest) -> LaunchRequest:
+    return attrs.evolve(request, nnodes=1)
+
+
+def _parse(handle: str) -> list[int]:
+    body = handle[len(HANDLE_PREFIX) :] if handle.startswith(HANDLE_PREFIX) else handle
+    try:
+        ids = [int(part) for part in body.split(",")]
+    except ValueError:
+        raise UsageError(
+            f"vastai: {handle!r} is not a handle of this launcher (vastai:ID1,ID2,...)"
+        ) from None
+    return ids
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in ids)
+
+
+def _endpoint(row: Mapping[str, Any], port: int, instance_id: int) -> tuple[str, int]:
+    host = row.get("public_ipaddr")
+    mapped = ((row.get("ports") or {}).get(f"{port}/tcp") or [{}])[0].get("HostPort")
+    if not host or not mapped:
+        raise VastAIError(
+            f"vastai: instance {instance_id} runs but shows no public address or mapping of "
+            f"port {port}/tcp for the rendezvous"
+        )
+    return str(host).strip(), int(mapped)
+
+
+def _query_text(query: Mapping[str, Any]) -> str:
+    ops = {"eq": "=", "gte": ">=", "lte": "<=", "gt": ">", "lt": "<", "neq": "!="}
+    return " ".join(
+        f"{field}{ops.get(op, op)}{value}"
+        for field, cond in query.items()
+        for op, value in cond.items()
+    )
+
+
+def _misses(offer: Mapping[str, Any], query: Mapping[str, Any]) -> int:
+    """How many of ``query``'s conditions ``offer`` fails."""
+    misses = 0
+    for field, cond in query.items():
+        value = offer.get(field)
+        for op, wanted in cond.items():
+            try:
+                if op == "eq" and isinstance(wanted, str):
+                    ok = str(value).lower() == wanted.lower()
+                elif op == "eq":
+                    ok = value == wanted
+                elif op == "gte":
+                    ok = value >= wanted
+                elif op == "lte":
+                    ok = value <= wanted
+                else:
+                    ok = False
+            except TypeError:
+                ok = False
+            misses += not ok
+    return misses
+
+
+def _describe(offer: Mapping[str, Any]) -> str:
+    return (
+        f"#{offer.get('id')} {offer.get('num_gpus')}x {offer.get('gpu_name')} "
+        f"{float(offer.get('gpu_ram') or 0) / 1000:.0f} GB, reliability "
+        f"{float(offer.get('reliability') or 0):.3f}, ${float(offer.get('dph_total') or 0):.4f}/h"
+    )

@@ -1,0 +1,252 @@
+"""The ``vastai`` launcher, through the real ``vastai`` client, against a loopback server
+(tests/vast_server.py) that answers the endpoints the client calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from vast_server import VastServer
+
+from ups.cloud.startup import StartupScript
+from ups.cloud.vastai import VastAIError, VastAILauncher, VastAILauncherOptions
+from ups.core import LaunchRequest, UsageError
+
+pytest.importorskip("vastai")
+
+KEY = "planted-vast-key-5f3a9c1e"
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[VastServer]:
+    monkeypatch.setenv("VAST_API_KEY", KEY)
+    with VastServer(KEY) as srv:
+        yield srv
+
+
+def launcher(server: VastServer, **options: Any) -> VastAILauncher:
+    defaults: dict[str, Any] = {"url": server.url, "poll_s": 0.02, "ready_timeout_s": 5.0}
+    return VastAILauncher(options=VastAILauncherOptions(**{**defaults, **options}))
+
+
+def request(nnodes: int = 1, nproc: int = 2) -> LaunchRequest:
+    return LaunchRequest(config=Path("configs/tiny.yaml"), nproc_per_node=nproc, nnodes=nnodes)
+
+
+def creates(server: VastServer) -> list[dict[str, Any]]:
+    return [json.loads(body) for method, path, _h, body in server.requests if method == "PUT"
+            and path.startswith("/api/v0/asks/")]  # fmt: skip
+
+
+def test_dry_run_searches_but_creates_nothing_and_estimates_cost(server: VastServer) -> None:
+    text = launcher(server, gpu_name="RTX_4090").dry_run(request())
+    assert '"gpu_name": {"eq": "RTX 4090"}' in text
+    assert '"reliability": {"gte": 0.95}' in text
+    assert "# node 0: offer #102 2x RTX 4090" in text  # the cheapest reliable one
+    assert "estimated cost: $0.7000/hour for 1 machine(s)" in text
+    assert "PUT /api/v0/asks/102/" in text
+    assert "torch.distributed.run" in text and "--standalone" in text
+    assert 'vastai stop instance "$CONTAINER_ID"' in text
+    assert server.instances == {} and creates(server) == []
+    assert KEY not in text
+
+
+def test_dry_run_without_a_key_shows_the_requests(
+    server: VastServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VAST_API_KEY")
+    text = launcher(server).dry_run(request())
+    assert "offers not searched: vastai: no API key: set $VAST_API_KEY" in text
+    assert "PUT /api/v0/asks/OFFER_ID/" in text
+    assert server.requests == []
+
+
+def test_submit_status_logs_cancel(server: VastServer, capsys: pytest.CaptureFixture[str]) -> None:
+    vast = launcher(server, gpu_name="RTX 4090", min_gpu_ram_gb=20)
+    handle = vast.submit(request())
+    assert handle == "vastai:9001"
+    (body,) = creates(server)
+    assert body["image"].startswith("pytorch/") and body["label"] == "ups"
+    assert "--nproc-per-node" in body["onstart"] and body["disk"] == 40.0
+    assert server.instances[9001]["machine_id"] == 102
+    assert vast.status(handle) == "RUNNING"
+    server.logs[9001] = "[ups-startup] training\nstep 1 loss 0.5\n"
+    assert "step 1 loss 0.5" in vast.logs(handle)
+    server.instances[9001].update(label="ups-exit-0", actual_status="exited")
+    assert vast.status(handle) == "SUCCEEDED"
+    server.instances[9001].update(label="ups-exit-1")
+    assert vast.status(handle) == "FAILED"
+    vast.cancel(handle)
+    assert server.live() == [] and server.destroyed == [9001]
+    assert vast.status(handle) == "CANCELLED"
+    vast.cancel(handle)  # already gone: nothing to do
+    # The key went only into the Authorization header of the API requests.
+    for _method, path, headers, raw in server.requests:
+        assert KEY not in path and KEY.encode() not in raw
+        if not path.startswith("/logs/"):
+            assert headers["Authorization"] == f"Bearer {KEY}"
+        else:
+            assert "Authorization" not in headers
+    out = capsys.readouterr()
+    assert KEY not in out.out + out.err + handle
+
+
+def test_several_machines_rendezvous_on_the_first(server: VastServer) -> None:
+    vast = launcher(server, gpu_name="RTX 4090", num_gpus=2)
+    text = vast.dry_run(request(nnodes=2))
+    assert "estimated cost: $1.5000/hour for 2 machine(s)" in text
+    handle = vast.submit(request(nnodes=2))
+    assert handle == "vastai:9001,9002"
+    first, second = creates(server)
+    assert first["env"] == {"-p 29500:29500": "1"}
+    assert "--rdzv-endpoint localhost:29500" in first["onstart"]
+    assert "--node-rank 0" in first["onstart"] and "--nnodes 2" in first["onstart"]
+    host = server.instances[9001]["public_ipaddr"].strip()
+    port = server.instances[9001]["ports"]["29500/tcp"][0]["HostPort"]
+    assert f"--rdzv-endpoint {host}:{port}" in second["onstart"]
+    assert "--node-rank 1" in second["onstart"]
+    assert vast.status(handle) == "RUNNING"
+    server.logs[9002] = "node one says hi\n"
+    assert "==> instance 9002 (node 1) <==\nnode one says hi" in vast.logs(handle)
+    vast.cancel(handle)
+    assert server.live() == []
+
+
+def test_a_failed_create_tears_down_what_was_created(server: VastServer) -> None:
+    server.faults["error"] = {r"PUT /api/v0/asks/101/": 500}
+    vast = launcher(server, gpu_name="RTX 4090", num_gpus=2)
+    with pytest.raises(VastAIError) as caught:
+        vast.submit(request(nnodes=2))
+    message = str(caught.value)
+    assert "create an instance from offer 101: the server answered HTTP 500" in message
+    assert "destroyed instance(s) 9001" in message and "\n" not in message
+    assert server.live() == [] and server.destroyed == [9001]
+
+
+def test_an_instance_that_never_runs_is_destroyed(server: VastServer) -> None:
+    server.faults["never_ready"] = True
+    vast = launcher(server, ready_timeout_s=0.2)
+    with pytest.raises(VastAIError, match=r"instance 9001 was not running after 0.2s .*'loading'"):
+        vast.submit(request())
+    assert server.live() == [] and server.destroyed == [9001]
+
+
+def test_unknown_gpu_name_suggests_the_nearest(server: VastServer) -> None:
+    with pytest.raises(UsageError, match=r"unknown GPU name 'RTX 4099'; did you mean 'RTX 4090'"):
+        launcher(server, gpu_name="RTX 4099").submit(request())
+    assert server.instances == {}
+
+
+def test_no_matching_offer_shows_the_nearest(server: VastServer) -> None:
+    with pytest.raises(UsageError) as caught:
+        launcher(server, gpu_name="RTX 4090", max_dph=0.5).submit(request())
+    message = str(caught.value)
+    assert "0 offer(s) match num_gpus=2 gpu_name=RTX 4090" in message
+    # Each of the nearest misses one condition: the GPU count, or the price.
+    assert "nearest: #103 1x RTX 4090 25 GB, reliability 0.995, $0.3500/h; #102 2x" in message
+    assert server.instances == {}
+
+
+def test_a_wrong_key_is_a_clear_usage_error(
+    server: VastServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VAST_API_KEY", "wrong-key")
+    with pytest.raises(
+        UsageError, match=r"search offers: the server refused the API key \(HTTP 401\)"
+    ):
+        launcher(server).submit(request())
+    assert server.instances == {}
+
+
+def test_rate_limits_are_retried_with_backoff(server: VastServer) -> None:
+    server.faults["rate_limit"] = {r"POST /api/v0/bundles/": 2, r"PUT /api/v0/asks/": 1}
+    handle = launcher(server).submit(request())
+    assert handle == "vastai:9001"
+    assert sum(1 for m, p, _h, _b in server.requests if m == "POST") == 3
+    server.faults["rate_limit"] = {r"POST /api/v0/bundles/": 100}
+    with pytest.raises(VastAIError, match=r"rate limited \(HTTP 429\) after retrying"):
+        launcher(server, retries=2).submit(request())
+
+
+def test_server_errors_are_one_line(server: VastServer) -> None:
+    server.faults["error"] = {r"/bundles/": 500}
+    vast = launcher(server, retries=3)
+    with pytest.raises(VastAIError, match=r"^vastai: search offers: the server answered HTTP 500$"):
+        vast.submit(request())
+    server.faults["error"] = {}
+    handle = vast.submit(request())
+    server.faults["error"] = {r"/instances/": 503}  # retried by the client, then given up
+    with pytest.raises(VastAIError, match=r"^vastai: show instance 9001: .*HTTP 503$"):
+        vast.status(handle)
+    with pytest.raises(VastAIError, match=r"^vastai: could not destroy instance\(s\) 9001$"):
+        vast.cancel(handle)
+    server.faults["error"] = {}
+    vast.cancel(handle)
+    assert server.live() == []
+
+
+def test_the_key_comes_from_a_named_file(
+    server: VastServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("VAST_API_KEY")
+    with pytest.raises(UsageError, match=r"no API key: set \$VAST_API_KEY"):
+        launcher(server).submit(request())
+    key_file = tmp_path / "vast.key"
+    key_file.write_text(KEY + "\n")
+    assert launcher(server, api_key_file=str(key_file)).submit(request()) == "vastai:9001"
+    with pytest.raises(UsageError, match="cannot read api_key_file"):
+        launcher(server, api_key_file=str(tmp_path / "missing")).submit(request())
+
+
+def test_a_key_in_the_script_is_refused(server: VastServer) -> None:
+    vast = launcher(server, data_step=f"curl -H 'token: {KEY}' http://example.invalid")
+    with pytest.raises(UsageError, match="would contain the API key"):
+        vast.dry_run(request())
+    with pytest.raises(UsageError, match="would contain the API key"):
+        vast.submit(request())
+    assert server.instances == {}
+
+
+def test_a_bad_handle_is_a_usage_error(server: VastServer) -> None:
+    with pytest.raises(UsageError, match="not a handle of this launcher"):
+        launcher(server).status("slurm:12")
+
+
+@pytest.mark.parametrize(("action", "exit_status"), [("stop", "0"), ("destroy", "3")])
+def test_the_machine_stops_itself_with_the_real_cli(
+    server: VastServer, tmp_path: Path, action: str, exit_status: str
+) -> None:
+    """The script's shutdown command, run as the machine would (``$CONTAINER_ID`` and
+    ``$CONTAINER_API_KEY`` set by VastAI), with the real ``vastai`` CLI."""
+    vast = launcher(server, shutdown_action=action)
+    handle = vast.submit(request())
+    req = attrs.evolve(request(), run_dir=tmp_path / "run")
+    run_dir = Path(StartupScript(request=req).run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "startup.exit").write_text(exit_status + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "VAST_API_KEY"}
+    env.update(
+        CONTAINER_ID="9001",
+        CONTAINER_API_KEY=KEY,
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+    )
+    command = vast.shutdown_command(req)
+    assert KEY not in command and "--api-key" not in command
+    done = subprocess.run(
+        ["bash", "-c", command], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert KEY not in done.stdout + done.stderr
+    if action == "stop":
+        assert server.instances[9001]["label"] == "ups-exit-0"
+        assert vast.status(handle) == "SUCCEEDED"
+    else:
+        assert server.live() == [] and server.destroyed == [9001]
+        assert vast.status(handle) == "CANCELLED"
