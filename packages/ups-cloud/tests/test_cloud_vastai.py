@@ -19,8 +19,6 @@ from ups.cloud.startup import StartupScript
 from ups.cloud.vastai import VastAIError, VastAILauncher, VastAILauncherOptions
 from ups.core import LaunchRequest, UsageError
 
-pytest.importorskip("vastai")
-
 KEY = "planted-vast-key-5f3a9c1e"
 
 

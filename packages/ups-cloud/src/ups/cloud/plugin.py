@@ -5,6 +5,8 @@ from __future__ import annotations
 from ups.core import LauncherPlugin, hookimpl
 
 from .local import LocalLauncher, LocalLauncherOptions
+from .vastai import VastAILauncher, VastAILauncherOptions
+from .vultr import VultrLauncher, VultrLauncherOptions
 
 
 @hookimpl
@@ -15,5 +17,17 @@ def ups_launchers() -> list[LauncherPlugin]:
             factory=LocalLauncher,
             options=LocalLauncherOptions,
             description="torch.distributed.run on this machine, detached, followed by file",
-        )
+        ),
+        LauncherPlugin(
+            name="vastai",
+            factory=VastAILauncher,
+            options=VastAILauncherOptions,
+            description="VastAI GPU instances: offer search, create with the start-up script",
+        ),
+        LauncherPlugin(
+            name="vultr",
+            factory=VultrLauncher,
+            options=VultrLauncherOptions,
+            description="Vultr cloud GPU instances over the v2 REST API, start-up script as user data",
+        ),
     ]
