@@ -8,12 +8,12 @@ process; see :mod:`ups.cloud.local`. Select it with ``launch: {name: local}``.
 :mod:`ups.cloud.startup`.
 """
 
-from .local import LaunchRecord, LocalLauncher, LocalLauncherOptions, State
+from .local import JobRecord, LocalLauncher, LocalLauncherOptions, State
 from .startup import Env, StartupScript, upload
 
 __all__ = [
     "Env",
-    "LaunchRecord",
+    "JobRecord",
     "LocalLauncher",
     "LocalLauncherOptions",
     "StartupScript",

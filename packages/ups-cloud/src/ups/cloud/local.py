@@ -50,7 +50,7 @@ State = Literal["RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
 """What :meth:`LocalLauncher.status` answers. A job is never ``PENDING`` here: it starts at once."""
 
 RECORD_FILE = "job.json"
-"""The job record (:class:`LaunchRecord`); ``launch.json`` is the ``ups`` command's record."""
+"""The job record (:class:`JobRecord`); ``launch.json`` is the ``ups`` command's record."""
 CLI_RECORD_FILE = "launch.json"
 CANCEL_FILE = "cancelled"
 HISTORY = "launches"
@@ -72,7 +72,7 @@ class LocalLauncherOptions:
 
 
 @attrs.frozen(kw_only=True)
-class LaunchRecord:
+class JobRecord:
     """The content of ``job.json``: how to find and follow a job that was started."""
 
     name: str
@@ -102,7 +102,7 @@ class LaunchRecord:
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod
-    def read(cls, path: Path) -> LaunchRecord:
+    def read(cls, path: Path) -> JobRecord:
         """Read ``job.json``; a damaged one is a :class:`UsageError` naming it."""
         try:
             data = json.loads(path.read_text())
@@ -164,7 +164,7 @@ class LocalLauncher:
         if proc.returncode != 0 or not out.strip().isdigit():
             raise RuntimeError(f"the job could not be started; see {log_path}")
         pid = int(out)
-        record = LaunchRecord(
+        record = JobRecord(
             name=config.run.name,
             pid=pid,
             proc_start=_procs.identify(pid).start,
@@ -247,12 +247,12 @@ class LocalLauncher:
             *train_args(Path(request.config).resolve(), request.overrides),
         ]  # fmt: skip
 
-    def _find(self, handle: str) -> tuple[Path, LaunchRecord]:
+    def _find(self, handle: str) -> tuple[Path, JobRecord]:
         path = Path(handle)
         candidates = [path] if path.is_absolute() else [path, DEFAULT_RUN_DIR / path]
         for folder in candidates:
             if (folder / RECORD_FILE).is_file():
-                return folder.resolve(), LaunchRecord.read(folder / RECORD_FILE)
+                return folder.resolve(), JobRecord.read(folder / RECORD_FILE)
         looked = " or ".join(str(c / RECORD_FILE) for c in candidates)
         raise UsageError(
             f"no job {handle!r}: no job record at {looked}; pass the folder submit returned"
@@ -261,7 +261,7 @@ class LocalLauncher:
     def _archive_previous(self, folder: Path) -> None:
         if not (folder / RECORD_FILE).exists():
             return
-        previous = LaunchRecord.read(folder / RECORD_FILE)
+        previous = JobRecord.read(folder / RECORD_FILE)
         if _state(folder, previous) == "RUNNING":
             raise UsageError(
                 f"run {previous.name!r} is still running in {folder} (pid {previous.pid}); "
@@ -275,7 +275,7 @@ class LocalLauncher:
                 os.replace(folder / name, archive / name)
 
 
-def _state(folder: Path, record: LaunchRecord) -> State:
+def _state(folder: Path, record: JobRecord) -> State:
     ended = _exit_code(folder)
     if ended is None:
         if _procs.alive(record.proc):
