@@ -9,6 +9,7 @@ process; see :mod:`ups.cloud.local`. Select it with ``launch: {name: local}``.
 """
 
 from .local import JobRecord, LocalLauncher, LocalLauncherOptions, State
+from .slurm import SlurmLauncher, SlurmOptions
 from .startup import Env, StartupScript, upload
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "JobRecord",
     "LocalLauncher",
     "LocalLauncherOptions",
+    "SlurmLauncher",
+    "SlurmOptions",
     "StartupScript",
     "State",
     "upload",

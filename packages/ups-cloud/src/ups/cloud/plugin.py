@@ -5,6 +5,7 @@ from __future__ import annotations
 from ups.core import LauncherPlugin, hookimpl
 
 from .local import LocalLauncher, LocalLauncherOptions
+from .slurm import SlurmLauncher, SlurmOptions
 from .vastai import VastAILauncher, VastAILauncherOptions
 from .vultr import VultrLauncher, VultrLauncherOptions
 
@@ -17,6 +18,12 @@ def ups_launchers() -> list[LauncherPlugin]:
             factory=LocalLauncher,
             options=LocalLauncherOptions,
             description="torch.distributed.run on this machine, detached, followed by file",
+        ),
+        LauncherPlugin(
+            name="slurm",
+            factory=SlurmLauncher,
+            options=SlurmOptions,
+            description="an sbatch script running torch.distributed.run through srun",
         ),
         LauncherPlugin(
             name="vastai",
