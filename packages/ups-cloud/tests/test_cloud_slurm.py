@@ -302,7 +302,14 @@ def test_a_preemption_notice_saves_a_checkpoint_and_requeues(
         wait_for(lambda: launcher.status(handle) == "PENDING", 30, "the job's requeue")
         wait_for(lambda: slurm_env.node_state() == "idle", 60, "the node's clean-up")
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
-        wait_for(lambda: '"resumed"' in launcher.logs(handle), 60, "the requeued job's resume")
+        # A fresh start of 2 ranks: a minute or more on a loaded 2-core machine.
+        try:
+            wait_for(lambda: '"resumed"' in launcher.logs(handle), 240, "the requeued resume")
+        except AssertionError as error:
+            job = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True)
+            raise AssertionError(
+                f"{error}\n{job.stdout.decode()}\n{slurm_env.daemon_log()}"
+            ) from None
         resumed = [e for e in events(launcher.logs(handle)) if e.get("event") == "resumed"]
         assert resumed[0]["step"] == saved[0]["step"]
         assert launcher.status(handle) == "RUNNING"
