@@ -61,10 +61,6 @@ class Cluster:
         """What a SLURM client needs to talk to this cluster."""
         return {"SLURM_CONF": str(self.conf)}
 
-    def node_state(self) -> str:
-        """``sinfo``'s state of the node, e.g. ``idle``, ``mixed``, ``allocated``."""
-        return _node_state({**os.environ, **self.env})
-
     def daemon_log(self) -> str:
         parts = []
         for name in ("munged.log", "slurmctld.log", "slurmd.log", "slurmctld.out", "slurmd.out"):
@@ -97,7 +93,9 @@ def _conf(folder: Path, cpus: int) -> str:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={folder / 'munge.sock'}",
+            # cred_expire: also how long SLURM holds a requeued job (default 120 s; the same
+            # node cannot start it while the killed run's credential is revoked).
+            f"AuthInfo=socket={folder / 'munge.sock'},cred_expire=10",
             f"StateSaveLocation={folder / 'state'}",
             f"SlurmdSpoolDir={folder / 'spool'}",
             f"SlurmctldPidFile={folder / 'slurmctld.pid'}",

@@ -8,54 +8,32 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from launched import Tidy, cancelling, tiny, wait_for
 
 import ups.cloud
 from ups.cloud import LocalLauncher, LocalLauncherOptions
 from ups.core import ConfigError, LauncherPlugin, LaunchRequest, UsageError, load_plugins
-from ups.core.testing import tiny_project
 
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """The tiny problem (``ups.core.testing.tiny_project``), 1 epoch of 4 steps on 2 ranks."""
-    tiny_project(tmp_path, distributed={"backend": "gloo", "timeout_s": 60})
-    return tmp_path
+    """The tiny problem, 1 epoch of 4 steps on 2 ranks."""
+    return tiny(tmp_path)
 
 
-class Tidy(LocalLauncher):
-    """A launcher that remembers its jobs, so a test's teardown can cancel any left running."""
-
-    def __init__(self, *, options: LocalLauncherOptions) -> None:
-        super().__init__(options=options)
-        self.handles: list[str] = []
-
-    def submit(self, request: LaunchRequest) -> str:
-        self.handles.append(super().submit(request))
-        return self.handles[-1]
+class TidyLocal(Tidy, LocalLauncher):
+    """A local launcher that remembers its jobs."""
 
 
 @pytest.fixture
 def launcher() -> Iterator[LocalLauncher]:
     """A launcher with a short grace period; every job it started is cancelled at teardown."""
-    launcher = Tidy(options=LocalLauncherOptions(cancel_grace_s=2))
-    try:
+    with cancelling(TidyLocal(options=LocalLauncherOptions(cancel_grace_s=2))) as launcher:
         yield launcher
-    finally:
-        for handle in launcher.handles:
-            launcher.cancel(handle)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{what} did not happen within {timeout_s}s")
 
 
 def gone(pid: int) -> bool:

@@ -12,16 +12,15 @@ import os
 import shlex
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import slurm_cluster  # tests/slurm_cluster.py, beside this file
+from launched import Tidy, cancelling, tiny, wait_for
 
 from ups.cloud.slurm import SlurmLauncher, SlurmOptions
 from ups.core import LaunchRequest, UsageError
-from ups.core.testing import tiny_project
 
 
 @pytest.fixture(scope="module")
@@ -50,39 +49,17 @@ def slurm_env(
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    tiny_project(tmp_path, distributed={"backend": "gloo", "timeout_s": 60})
-    return tmp_path
+    return tiny(tmp_path)
 
 
-class Tidy(SlurmLauncher):
-    """A launcher that scancels at teardown whatever it submitted."""
-
-    def __init__(self, *, options: SlurmOptions) -> None:
-        super().__init__(options=options)
-        self.handles: list[str] = []
-
-    def submit(self, request: LaunchRequest) -> str:
-        self.handles.append(super().submit(request))
-        return self.handles[-1]
+class TidySlurm(Tidy, SlurmLauncher):
+    """A slurm launcher that remembers its jobs."""
 
 
 @pytest.fixture
-def launcher(slurm_env: slurm_cluster.Cluster) -> Iterator[Tidy]:
-    launcher = Tidy(options=SlurmOptions(cancel_timeout_s=30))
-    try:
+def launcher(slurm_env: slurm_cluster.Cluster) -> Iterator[TidySlurm]:
+    with cancelling(TidySlurm(options=SlurmOptions(cancel_timeout_s=30))) as launcher:
         yield launcher
-    finally:
-        for handle in launcher.handles:
-            launcher.cancel(handle)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what} did not happen within {timeout_s}s")
 
 
 def events(text: str) -> list[dict[str, object]]:
@@ -225,7 +202,7 @@ def test_a_bad_partition_is_a_one_line_usage_error(project: Path, slurm_env: obj
 
 
 @pytest.mark.slow
-def test_a_two_process_gloo_job_trains_to_success(project: Path, launcher: Tidy) -> None:
+def test_a_two_process_gloo_job_trains_to_success(project: Path, launcher: TidySlurm) -> None:
     request = LaunchRequest(
         config=project / "run.yaml",
         nproc_per_node=2,
@@ -258,7 +235,7 @@ def test_a_two_process_gloo_job_trains_to_success(project: Path, launcher: Tidy)
 
 
 @pytest.mark.slow
-def test_cancel_ends_a_running_job_and_its_processes(project: Path, launcher: Tidy) -> None:
+def test_cancel_ends_a_running_job_and_its_processes(project: Path, launcher: TidySlurm) -> None:
     request = LaunchRequest(
         config=project / "run.yaml",
         nproc_per_node=2,
@@ -278,7 +255,7 @@ def test_cancel_ends_a_running_job_and_its_processes(project: Path, launcher: Ti
 def test_a_preemption_notice_saves_a_checkpoint_and_requeues(
     project: Path, slurm_env: slurm_cluster.Cluster
 ) -> None:
-    launcher = Tidy(options=SlurmOptions(signal_seconds=60, requeue=True, cancel_timeout_s=30))
+    launcher = TidySlurm(options=SlurmOptions(signal_seconds=60, requeue=True, cancel_timeout_s=30))
     request = LaunchRequest(
         config=project / "run.yaml",
         nproc_per_node=2,
@@ -296,12 +273,10 @@ def test_a_preemption_notice_saves_a_checkpoint_and_requeues(
         assert "ups: pre-emption notice (SIGUSR1): the ranks save and stop" in text
         saved = [e for e in events(text) if e.get("event") == "checkpoint saved"]
         assert len(saved) == 1 and Path(str(saved[0]["location"])).is_file(), text
-        # The requeued job (same id, same output file) resumes from that checkpoint. SLURM
-        # holds a requeued job for a while (its BeginTime) so that the node can finish the
-        # first run's clean-up; once the node is idle, let it start now.
+        # The requeued job (same id, same output file) resumes from that checkpoint once SLURM
+        # lets it start again: after the test cluster's cred_expire (10 s), while the killed
+        # run's job credential stays revoked.
         wait_for(lambda: launcher.status(handle) == "PENDING", 30, "the job's requeue")
-        wait_for(lambda: slurm_env.node_state() == "idle", 60, "the node's clean-up")
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
         # A fresh start of 2 ranks: a minute or more on a loaded 2-core machine.
         try:
             wait_for(lambda: '"resumed"' in launcher.logs(handle), 240, "the requeued resume")
@@ -321,7 +296,7 @@ def test_a_preemption_notice_saves_a_checkpoint_and_requeues(
 
 @pytest.mark.slow
 def test_without_requeue_a_preemption_notice_saves_and_fails_the_job(
-    project: Path, launcher: Tidy
+    project: Path, launcher: TidySlurm
 ) -> None:
     launcher.options = SlurmOptions(signal_seconds=60)
     request = LaunchRequest(
@@ -343,7 +318,7 @@ def test_without_requeue_a_preemption_notice_saves_and_fails_the_job(
 
 
 @pytest.mark.slow
-def test_a_job_that_exits_non_zero_fails(project: Path, launcher: Tidy) -> None:
+def test_a_job_that_exits_non_zero_fails(project: Path, launcher: TidySlurm) -> None:
     launcher.options = SlurmOptions(python="/bin/false")
     handle = launcher.submit(LaunchRequest(config=project / "run.yaml", run_dir=project / "runs"))
     wait_for(lambda: launcher.status(handle) not in ("PENDING", "RUNNING"), 60, "the job's end")
