@@ -237,20 +237,16 @@ class SlurmLauncher:
             f"--nodes={request.nnodes}",
             "--ntasks-per-node=1",
         ]
-        if o.partition:
-            directives.append(f"--partition={o.partition}")
-        if o.account:
-            directives.append(f"--account={o.account}")
-        if o.time:
-            directives.append(f"--time={o.time}")
-        if o.gpus_per_node:
-            directives.append(f"--gpus-per-node={o.gpus_per_node}")
-        if o.cpus_per_task:
-            directives.append(f"--cpus-per-task={o.cpus_per_task}")
-        if o.mem:
-            directives.append(f"--mem={o.mem}")
-        if o.signal_seconds:
-            directives.append(f"--signal=B:USR1@{o.signal_seconds}")
+        optional = {
+            "partition": o.partition,
+            "account": o.account,
+            "time": o.time,
+            "gpus-per-node": o.gpus_per_node,
+            "cpus-per-task": o.cpus_per_task,
+            "mem": o.mem,
+            "signal": o.signal_seconds and f"B:USR1@{o.signal_seconds}",
+        }
+        directives += [f"--{flag}={value}" for flag, value in optional.items() if value]
         directives += ["--requeue", "--open-mode=append"] if o.requeue else ["--no-requeue"]
         directives += o.extra
         overrides = (
