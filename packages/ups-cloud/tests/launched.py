@@ -1,8 +1,10 @@
 """What the launchers' tests share: the tiny project to launch, a launcher that remembers what it
-submitted (so a test's teardown cancels any job left running), and waiting for a condition."""
+submitted (so a test's teardown cancels any job left running), the JSON events of a job's log,
+and waiting for a condition."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +42,18 @@ def cancelling(launcher: Any) -> Iterator[Any]:
     finally:
         for handle in launcher.handles:
             launcher.cancel(handle)
+
+
+def events(text: str) -> list[dict[str, object]]:
+    """The JSON log events in ``text``."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                continue
+    return found
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:

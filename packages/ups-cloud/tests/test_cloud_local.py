@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from launched import Tidy, cancelling, tiny, wait_for
+from launched import Tidy, cancelling, events, tiny, wait_for
 
 import ups.cloud
 from ups.cloud import LocalLauncher, LocalLauncherOptions
@@ -61,18 +61,6 @@ def group_members(pgid: int) -> list[int]:
         if fields and int(fields[2]) == pgid and fields[0] not in "ZX":
             members.append(int(entry.name))
     return members
-
-
-def events(text: str) -> list[dict[str, object]]:
-    """The JSON log events in ``text``."""
-    found = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                found.append(json.loads(line))
-            except ValueError:
-                continue
-    return found
 
 
 def test_code_under_test_is_this_tree() -> None:

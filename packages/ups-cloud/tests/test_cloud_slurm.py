@@ -7,7 +7,6 @@ CI), where they fail.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster  # tests/slurm_cluster.py, beside this file
-from launched import Tidy, cancelling, tiny, wait_for
+from launched import Tidy, cancelling, events, tiny, wait_for
 
 from ups.cloud.slurm import SlurmLauncher, SlurmOptions
 from ups.core import LaunchRequest, UsageError
@@ -60,18 +59,6 @@ class TidySlurm(Tidy, SlurmLauncher):
 def launcher(slurm_env: slurm_cluster.Cluster) -> Iterator[TidySlurm]:
     with cancelling(TidySlurm(options=SlurmOptions(cancel_timeout_s=30))) as launcher:
         yield launcher
-
-
-def events(text: str) -> list[dict[str, object]]:
-    """The JSON log events in ``text``."""
-    found = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                found.append(json.loads(line))
-            except ValueError:
-                continue
-    return found
 
 
 def processes_mentioning(text: str) -> list[int]:
