@@ -14,6 +14,7 @@ from torch.utils.data import DistributedSampler
 from .context import RunContext
 from .evaluation import shard_sampler
 from .markers import hookimpl_default
+from .profiling import gradient_bytes
 from .records import CheckpointBackendPlugin, CommHookPlugin, SamplerPlugin
 from .simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
 
@@ -40,8 +41,20 @@ def torch_sampler(
     )
 
 
-def no_comm_hook(ddp: DistributedDataParallel, *, ctx: RunContext, options: object) -> None:
-    """Register nothing: DDP all-reduces gradients itself."""
+class DDPAllReduce:
+    """The state of the ``none`` hook: DDP's own all-reduce sends every gradient each step."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self._bytes = float(gradient_bytes(ddp))
+
+    def comm_metrics(self, steps: int) -> dict[str, float]:
+        """``comm_bytes`` per step: every gradient, in its dtype."""
+        return {"comm_bytes": self._bytes}
+
+
+def no_comm_hook(ddp: DistributedDataParallel, *, ctx: RunContext, options: object) -> DDPAllReduce:
+    """Register nothing: DDP all-reduces gradients itself. Its state reports the bytes."""
+    return DDPAllReduce(ddp)
 
 
 @hookimpl_default

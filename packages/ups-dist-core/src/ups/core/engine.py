@@ -178,8 +178,7 @@ class Run:
                 "comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook"
             )
             self.comm_state = comm_plugin.factory(self.ddp, ctx=ctx, options=comm_options)
-            builtin = config.comm_hook.name == "none"
-            self.comm = CommCounter(self.ddp, self.comm_state, builtin=builtin)
+            self.comm = CommCounter(self.ddp, self.comm_state)
         ckpt_plugin, ckpt_options = registry.select(
             "checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint"
         )

@@ -38,6 +38,7 @@ __all__ = [
     "RankComm",
     "StepProfiler",
     "comm_profile",
+    "gradient_bytes",
     "model_counts",
     "peak_memory_mb",
     "throughput",
@@ -252,30 +253,25 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def gradient_bytes(ddp: DistributedDataParallel) -> int:
+    """What plain all-reduce hands to the collective each step: every gradient, in its dtype."""
+    return sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
+
+
 class CommCounter:
     """The bytes of gradient communication per optimizer step, for the engine's reports.
 
-    ``allreduce_bytes`` is what plain all-reduce hands to the collective each step: every
-    gradient, in its own dtype. ``comm_bytes`` is what the comm hook handed, as its state's
-    ``comm_metrics(steps)`` reports it (with whatever else it reports, such as per-bucket times),
-    or ``allreduce_bytes`` for the built-in ``none`` (DDP's own all-reduce); ``comm_ratio`` is
-    their ratio. A hook whose state has no ``comm_metrics`` gets ``allreduce_bytes`` only. A
-    run without DDP (one process) gets nothing.
+    ``allreduce_bytes`` is what plain all-reduce hands over (:func:`gradient_bytes`).
+    ``comm_bytes`` is what the comm hook handed, as its state's ``comm_metrics(steps)`` reports
+    it (with whatever else it reports, such as per-bucket times); ``comm_ratio`` is their
+    ratio. A hook whose state has no ``comm_metrics`` gets ``allreduce_bytes`` only. A run
+    without DDP (one process) gets nothing.
     """
 
     def __init__(
-        self,
-        ddp: DistributedDataParallel | None = None,
-        state: object | None = None,
-        *,
-        builtin: bool = False,
+        self, ddp: DistributedDataParallel | None = None, state: object | None = None
     ) -> None:
-        """:param builtin: whether the hook is the built-in ``none``, which sends every gradient."""
-        self._plain: float | None = None
-        if ddp is not None:
-            grads = (p for p in ddp.parameters() if p.requires_grad)
-            self._plain = float(sum(p.numel() * p.element_size() for p in grads))
-        self._builtin = builtin
+        self._plain = None if ddp is None else float(gradient_bytes(ddp))
         self._report: Callable[[int], Any] | None = getattr(state, "comm_metrics", None)
 
     def metrics(self, steps: int) -> dict[str, float]:
@@ -285,8 +281,6 @@ class CommCounter:
         metrics: dict[str, float] = {}
         if self._report is not None:
             metrics |= self._report(steps)
-        elif self._builtin:
-            metrics["comm_bytes"] = self._plain
         metrics["allreduce_bytes"] = self._plain
         if "comm_bytes" in metrics and self._plain > 0:
             metrics["comm_ratio"] = metrics["comm_bytes"] / self._plain
