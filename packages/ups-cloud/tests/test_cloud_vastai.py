@@ -61,7 +61,7 @@ def test_dry_run_without_a_key_shows_the_requests(
 ) -> None:
     monkeypatch.delenv("VAST_API_KEY")
     text = launcher(server).dry_run(request())
-    assert "offers not searched: vastai: no API key: set $VAST_API_KEY" in text
+    assert "offers not searched: vastai: no API key in $VAST_API_KEY" in text
     assert "PUT /api/v0/asks/OFFER_ID/" in text
     assert server.requests == []
 
@@ -194,7 +194,7 @@ def test_the_key_comes_from_a_named_file(
     server: VastServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv("VAST_API_KEY")
-    with pytest.raises(UsageError, match=r"no API key: set \$VAST_API_KEY"):
+    with pytest.raises(UsageError, match=r"no API key in \$VAST_API_KEY"):
         launcher(server).submit(request())
     key_file = tmp_path / "vast.key"
     key_file.write_text(KEY + "\n")

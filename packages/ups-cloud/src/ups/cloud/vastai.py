@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import attrs
@@ -42,6 +40,7 @@ import structlog
 
 from ups.core import LaunchRequest, UsageError
 
+from ._secrets import ApiKey
 from .startup import EXIT_FILE, StartupScript
 
 log = structlog.get_logger()
@@ -148,39 +147,15 @@ class VastAILauncher:
 
     def __init__(self, *, options: VastAILauncherOptions) -> None:
         self.options = options
+        self._key = ApiKey("vastai", options.api_key_env, options.api_key_file)
 
     # -- the API key and the client -----------------------------------------------------------
-
-    def _api_key(self) -> str:
-        options = self.options
-        if options.api_key_file is not None:
-            try:
-                key = Path(options.api_key_file).expanduser().read_text().strip()
-            except OSError as error:
-                raise UsageError(
-                    f"vastai: cannot read api_key_file {options.api_key_file}: {error.strerror}"
-                ) from None
-            if not key:
-                raise UsageError(f"vastai: api_key_file {options.api_key_file} is empty")
-            return key
-        key = os.environ.get(options.api_key_env, "").strip()
-        if not key:
-            raise UsageError(
-                f"vastai: no API key: set ${options.api_key_env} or name a file in api_key_file"
-            )
-        return key
-
-    def _key_or_none(self) -> str | None:
-        try:
-            return self._api_key()
-        except UsageError:
-            return None
 
     def _client(self) -> Any:
         from vastai.api.client import VastClient  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
         return VastClient(
-            api_key=self._api_key(),
+            api_key=self._key.read(),
             server_url=self.options.url.rstrip("/"),
             retry=self.options.retries,
         )
@@ -268,12 +243,7 @@ class VastAILauncher:
             shutdown_command=self.shutdown_command(request),
         )
         text = startup.render()
-        key = self._key_or_none()
-        if key and len(key) >= 8 and key in text:  # a real key is 64 characters
-            raise UsageError(
-                "vastai: the start-up script would contain the API key in clear text; keep it "
-                "out of files, commands, paths and URLs"
-            )
+        self._key.refuse_in(text, "the start-up script")
         return text
 
     def shutdown_command(self, request: LaunchRequest) -> str:

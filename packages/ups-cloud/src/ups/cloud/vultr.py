@@ -33,7 +33,6 @@ from __future__ import annotations
 import base64
 import difflib
 import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -48,6 +47,7 @@ from urllib3.util.retry import Retry
 from ups.core import LaunchRequest, UsageError, above
 from ups.core.config import load_config
 
+from ._secrets import ApiKey
 from .startup import EXIT_FILE, LOG_FILE, StartupScript
 
 log = structlog.get_logger()
@@ -153,7 +153,7 @@ class VultrLauncher:
         self.options = options
         self.base_url = options.base_url.rstrip("/")
         self._session: requests.Session | None = None
-        self._key: str | None = None
+        self._key = ApiKey("vultr", options.api_key_env, options.api_key_file)
 
     # -- the Launcher protocol ----------------------------------------------------------------
 
@@ -172,10 +172,9 @@ class VultrLauncher:
                 note = "then GET /instances/ID until it is active and has its internal_ip"
             calls.append(_Call("POST", "/instances", body, note))
         calls.append(_Call("GET", "/instances/ID", note="each, until active"))
-        source = f"${o.api_key_env}" if o.api_key_file is None else str(o.api_key_file)
         lines = [
             f"# vultr: {request.nnodes} x {o.plan} in {o.region} for run {name!r}",
-            f"# base URL {self.base_url}; header Authorization: Bearer {_REDACTED} (from {source})",
+            f"# base URL {self.base_url}; header Authorization: Bearer {_REDACTED} (from {self._key.source})",
         ]
         lines += self._cost_lines(plan, request.nnodes)
         for call in calls:
@@ -191,7 +190,7 @@ class VultrLauncher:
                 lines.append("# user_data, decoded:")
                 lines.append(script.rstrip("\n"))
         text = "\n".join(lines) + "\n"
-        self._refuse_secret(text, "the dry-run text")
+        self._key.refuse_in(text, "the dry-run text")
         return text
 
     def submit(self, request: LaunchRequest) -> str:
@@ -202,7 +201,7 @@ class VultrLauncher:
             instance created has then been deleted (or the message names those left).
         """
         name = self._run_name(request)
-        self._api_key()  # a missing key fails before anything is created
+        self._key.read()  # a missing key fails before anything is created
         self._check_plan_region()
         created: list[str] = []
         try:
@@ -275,28 +274,6 @@ class VultrLauncher:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _api_key(self) -> str:
-        if self._key is None:
-            o = self.options
-            if o.api_key_file is not None:
-                try:
-                    key = o.api_key_file.read_text().strip()
-                except OSError as error:
-                    raise UsageError(
-                        f"vultr: cannot read api_key_file {o.api_key_file}: {error.strerror}"
-                    ) from None
-                where = str(o.api_key_file)
-            else:
-                key = os.environ.get(o.api_key_env, "").strip()
-                where = f"${o.api_key_env}"
-            if not key:
-                raise UsageError(
-                    f"vultr: no API key in {where}; set it (never on a command line) or name "
-                    "a file with api_key_file"
-                )
-            self._key = key
-        return self._key
-
     def _http(self) -> requests.Session:
         if self._session is None:
             o = self.options
@@ -329,7 +306,7 @@ class VultrLauncher:
     ) -> dict[str, Any] | None:
         headers = {"Accept": "application/json"}
         if auth:
-            headers["Authorization"] = f"Bearer {self._api_key()}"
+            headers["Authorization"] = f"Bearer {self._key.read()}"
         what = f"{method} {path}"
         try:
             response = self._http().request(
@@ -345,14 +322,9 @@ class VultrLauncher:
         if ok_missing and response.status_code == 404:
             return None
         if response.status_code in (401, 403):
-            source = (
-                f"${self.options.api_key_env}"
-                if self.options.api_key_file is None
-                else str(self.options.api_key_file)
-            )
             raise UsageError(
                 f"Vultr API {what}: {response.status_code} {response.reason}: the API key from "
-                f"{source} was refused (is it valid, and is this machine's IP allowed?)"
+                f"{self._key.source} was refused (is it valid, and is this machine's IP allowed?)"
             )
         if response.status_code >= 400:
             raise VultrError(
@@ -479,7 +451,7 @@ class VultrLauncher:
             upload_url=upload,
             auto_shutdown=o.auto_shutdown,
         ).render()
-        self._refuse_secret(script, "the start-up script")
+        self._key.refuse_in(script, "the start-up script")
         return script
 
     def _create_body(
@@ -590,16 +562,6 @@ class VultrLauncher:
                 return str(file.read())
         except FileNotFoundError:
             return None
-
-    def _refuse_secret(self, text: str, what: str) -> None:
-        try:
-            key = self._api_key()
-        except UsageError:
-            return
-        if key in text:
-            raise UsageError(
-                f"vultr: {what} would contain the API key; keep it out of files and options"
-            )
 
 
 def _read(path: Path) -> str:
