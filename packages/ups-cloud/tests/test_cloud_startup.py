@@ -323,8 +323,12 @@ def test_upload_copies_a_folder_to_a_url(tmp_path: Path) -> None:
     (src / "tiny" / "ckpt").mkdir(parents=True)
     (src / "startup.log").write_text("log")
     (src / "tiny" / "ckpt" / "s1.pt").write_bytes(b"\0\1")
+    (src / "startup.exit").write_text("0\n")
+    (src / "tiny" / "zz.txt").write_text("z")
     written = upload(src, (tmp_path / "dest").as_uri())
-    assert len(written) == 2
+    assert len(written) == 4
+    # The exit status goes last: once it is there, so is everything else.
+    assert written[-1] == f"{tmp_path / 'dest'}/startup.exit"
     assert (tmp_path / "dest" / "startup.log").read_text() == "log"
     assert (tmp_path / "dest" / "tiny" / "ckpt" / "s1.pt").read_bytes() == b"\0\1"
     assert main(["upload", str(src), str(tmp_path / "plain")]) == 0

@@ -99,19 +99,26 @@ def test_two_machines_rendezvous_on_the_first_ones_private_address(
     assert vultr.status(handle) == "RUNNING"
     assert "ssh root@IP" in vultr.logs(handle)
 
-    # The scripts end: the run folder is uploaded, the machines shut themselves down.
+    # The scripts end: the run folders are uploaded, the machines shut themselves down.
     upload.mkdir()
     (upload / "startup.log").write_text("training done\n")
     (upload / "startup.exit").write_text("0\n")
     server.stop_all()
+    # Machine 1's upload is not there yet: the machines are kept.
     assert vultr.status(handle) == "SUCCEEDED"
+    assert list(server.instances) == ids and server.deleted == []
     assert vultr.logs(handle) == "training done\n"
+    # Every machine has uploaded: status deletes them, since stopped instances bill.
+    (upload / "nodes" / "1").mkdir(parents=True)
+    (upload / "nodes" / "1" / "startup.exit").write_text("0\n")
+    assert vultr.status(handle) == "SUCCEEDED"
+    assert server.instances == {} and server.deleted == ids
+    assert vultr.status(handle) == "SUCCEEDED"  # from the upload, once they are gone
     (upload / "startup.exit").write_text("1\n")
     assert vultr.status(handle) == "FAILED"
 
-    vultr.cancel(handle)
-    assert server.instances == {} and server.deleted == ids
     vultr.cancel(handle)  # gone already: nothing to do
+    assert server.deleted == ids
     (upload / "startup.exit").unlink()
     assert vultr.status(handle) == "CANCELLED"
 
@@ -129,7 +136,9 @@ def test_one_machine_is_pending_until_booted_and_stopped_without_an_upload(
     assert vultr.status(handle) == "PENDING"
     server.stop_all()
     assert vultr.status(handle) == "STOPPED"  # no upload_url: the outcome is unknown
+    assert len(server.instances) == 1  # kept (and billed) for the results on its disk
     vultr.cancel(handle)
+    assert server.instances == {}
 
 
 @pytest.mark.parametrize("from_file", [False, True])

@@ -288,8 +288,8 @@ class StartupScript:
 
 
 def upload(src: str | Path, url: str) -> list[str]:
-    """Copy the folder ``src`` to the fsspec ``url`` (``url/<path in src>`` for each file);
-    return the URLs written. fsspec, and its package for the URL's protocol (s3fs, ...), must
+    """Copy the folder ``src`` to the fsspec ``url`` (``url/<path in src>`` for each file), its
+    exit status (``startup.exit``) last; return the URLs written. fsspec, and its package for the URL's protocol (s3fs, ...), must
     be installed."""
     import fsspec  # type: ignore[import-untyped]  # only the machine that uploads needs it
 
@@ -297,7 +297,9 @@ def upload(src: str | Path, url: str) -> list[str]:
     root = str(root).rstrip("/")
     written = []
     source = Path(src)
-    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+    files = (p for p in source.rglob("*") if p.is_file())
+    # The exit status goes last: its presence at the URL says that everything else is there.
+    for path in sorted(files, key=lambda p: (p == source / EXIT_FILE, p)):
         target = f"{root}/{path.relative_to(source).as_posix()}"
         fs.makedirs(posixpath.dirname(target), exist_ok=True)
         fs.put_file(str(path), target)

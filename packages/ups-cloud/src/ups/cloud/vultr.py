@@ -18,8 +18,15 @@ Vultr has no API for an instance's console output, so:
 * ``status`` is ``PENDING`` until every instance is active and booted, ``RUNNING`` while they
   run, and once the first machine has stopped (the script's auto-shutdown) ``SUCCEEDED`` or
   ``FAILED`` from the exit status it uploaded (``startup.exit``); ``STOPPED`` when it stopped
-  but no exit status can be read. ``CANCELLED`` when the instances are gone. A stopped Vultr
-  instance is still billed: ``cancel`` (``DELETE /instances/ID``) is what ends the bill.
+  but no exit status can be read. ``CANCELLED`` when the instances are gone.
+
+A stopped Vultr instance is billed as a running one is, and only a delete ends the bill. The
+machines cannot delete themselves (that needs the account's API key, which never goes to a
+machine), so ``status`` does it: once every machine has stopped and uploaded its run folder to
+``upload_url`` (the exit status, uploaded last, says so), ``status`` deletes them all. Without
+``upload_url`` the results live only on the machines' disks, so they are kept, and billed,
+until ``cancel`` (``DELETE /instances/ID``); ``submit`` and the dry run say so. ``ups logs
+--follow`` asks for the status until the job ends, so following a job also ends its bill.
 
 The API key comes from the environment (``api_key_env``, ``VULTR_API_KEY``) or from a file the
 user names (``api_key_file``), and is sent only as the ``Authorization: Bearer`` header: never
@@ -108,7 +115,8 @@ class VultrLauncherOptions:
     ``<upload_url>/nodes/R``); ``status`` and ``logs`` read it. Its credentials must be
     available to this process and on the machines (the image), never in the URL."""
     auto_shutdown: bool = True
-    """Shut each machine down when its script ends (a stopped instance still bills: cancel it)."""
+    """Shut each machine down when its script ends. A stopped instance still bills: ``status``
+    deletes the machines once they have uploaded to ``upload_url`` (else ``cancel`` does)."""
     packages: Mapping[str, str] | None = None
     """Distributions the script installs on each machine, name -> exact version."""
     python: str = "python3"
@@ -217,32 +225,42 @@ class VultrLauncher:
         except BaseException as error:
             raise self._rolled_back(error, created, request.nnodes) from error
         handle = HANDLE_PREFIX + ",".join(created)
-        log.info("vultr job submitted", run=name, handle=handle)
+        log.info("vultr job submitted", run=name, handle=handle, billing=self._billing_note())
         return handle
 
     def status(self, handle: str) -> State:
         """See the module doc."""
-        instances = [self._instance(i) for i in self._ids(handle)]
+        ids = self._ids(handle)
+        instances = [self._instance(i) for i in ids]
         if all(i is None for i in instances):
-            exit_status = self._read_upload(EXIT_FILE)
-            if exit_status is None:
-                return "CANCELLED"
-            return "SUCCEEDED" if exit_status.strip() == "0" else "FAILED"
+            return _ended(self._read_upload(EXIT_FILE), otherwise="CANCELLED")
         if any(i is None for i in instances):
             return "FAILED"  # some machines deleted under a running job
         if any(i["status"] != "active" for i in instances if i is not None):
             return "PENDING"
         first = instances[0]
         assert first is not None
-        if first.get("power_status") == "stopped":
-            exit_status = self._read_upload(EXIT_FILE)
-            log.warning("stopped Vultr instances are still billed; cancel the job to delete them")
-            if exit_status is None:
-                return "STOPPED"
-            return "SUCCEEDED" if exit_status.strip() == "0" else "FAILED"
-        if any(i.get("server_status") != "ok" for i in instances if i is not None):
-            return "PENDING"
-        return "RUNNING"
+        if first.get("power_status") != "stopped":
+            if any(i.get("server_status") != "ok" for i in instances if i is not None):
+                return "PENDING"
+            return "RUNNING"
+        exit_status = self._read_upload(EXIT_FILE)
+        stopped = all(i is not None and i.get("power_status") == "stopped" for i in instances)
+        if stopped and self._uploaded(len(ids)):
+            # Every machine has ended and uploaded its run folder (the exit status goes last):
+            # nothing on them is needed any more, and a stopped Vultr instance bills as a
+            # running one does.
+            left = self._delete_all(ids)
+            if left:
+                log.warning("could not delete finished Vultr instances", left=left)
+            else:
+                log.info("the job ended; its machines were deleted", handle=handle)
+        else:
+            log.warning(
+                "stopped Vultr instances are still billed; cancel the job to delete them once "
+                "their results are copied (with upload_url, status deletes them itself)"
+            )
+        return _ended(exit_status, otherwise="STOPPED")
 
     def logs(self, handle: str) -> str:
         """The first machine's ``startup.log`` from ``upload_url`` once uploaded; until then,
@@ -415,8 +433,14 @@ class VultrLauncher:
             return ["# cost: no price in GET /plans"]
         return [
             f"# cost: about ${each * nnodes:.3f}/hour for {nnodes} machine(s) "
-            f"(${each:.3f}/hour each, from {how}); stopped instances still bill until deleted"
+            f"(${each:.3f}/hour each, from {how}); stopped instances bill until deleted: "
+            + self._billing_note()
         ]
+
+    def _billing_note(self) -> str:
+        if self.options.upload_url is None:
+            return "without upload_url they are kept for their results until `ups cancel`"
+        return "`ups status` deletes them once they have stopped and uploaded their results"
 
     def _script(self, request: LaunchRequest, name: str, rank: int, host: str | None) -> str:
         o = self.options
@@ -551,6 +575,14 @@ class VultrLauncher:
             raise UsageError(f"{handle!r} is not a vultr handle (vultr:ID1,ID2,...)")
         return ids
 
+    def _uploaded(self, nnodes: int) -> bool:
+        """Whether every machine's run folder is uploaded: its exit status, which the upload
+        writes last, is at ``upload_url`` (``nodes/R/`` for machine R > 0)."""
+        return all(
+            self._read_upload(EXIT_FILE if rank == 0 else f"nodes/{rank}/{EXIT_FILE}") is not None
+            for rank in range(nnodes)
+        )
+
     def _read_upload(self, name: str) -> str | None:
         url = self.options.upload_url
         if url is None:
@@ -562,6 +594,13 @@ class VultrLauncher:
                 return str(file.read())
         except FileNotFoundError:
             return None
+
+
+def _ended(exit_status: str | None, *, otherwise: State) -> State:
+    """The state of an ended job from the exit status it uploaded (``otherwise`` without one)."""
+    if exit_status is None:
+        return otherwise
+    return "SUCCEEDED" if exit_status.strip() == "0" else "FAILED"
 
 
 def _read(path: Path) -> str:
