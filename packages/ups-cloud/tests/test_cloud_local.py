@@ -95,12 +95,40 @@ def test_dry_run_is_the_exact_command_line(tmp_path: Path) -> None:
     assert shlex.split(launcher.dry_run(request)) == launcher.command(request)
 
 
-def test_more_than_one_node_is_refused() -> None:
+def test_several_nodes_are_agents_joined_by_a_rendezvous_on_loopback(tmp_path: Path) -> None:
+    options = LocalLauncherOptions(python="/opt/py/bin/python3", rdzv_port=29555)
+    launcher = LocalLauncher(options=options)
+    request = LaunchRequest(config=tmp_path / "run.yaml", nnodes=3, nproc_per_node=2)
+    script = launcher.dry_run(request)
+    assert launcher.command(request) == ["bash", "-c", script]
+    agents = [line for line in script.splitlines() if line.endswith(" &")]
+    assert len(agents) == 3
+    for node, agent in enumerate(agents):
+        argv = shlex.split(agent[:-2])
+        assert argv[:3] == ["/opt/py/bin/python3", "-m", "torch.distributed.run"]
+        assert "--standalone" not in argv
+        for flag, value in [
+            ("--nnodes", "3"),
+            ("--nproc-per-node", "2"),
+            ("--rdzv-backend", "c10d"),
+            ("--rdzv-endpoint", "127.0.0.1:29555"),
+            ("--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"),
+        ]:
+            assert argv[argv.index(flag) + 1] == value
+        assert argv[-3:] == ["ups.core", "train", str(tmp_path / "run.yaml")]
+    assert 'exit "$status"' in script
+    # Without a port, a free one: a new one each time.
+    free = LocalLauncher(options=LocalLauncherOptions()).dry_run(request)
+    assert "--rdzv-endpoint 127.0.0.1:" in free and "127.0.0.1:29555" not in free
+
+
+@pytest.mark.parametrize(("nnodes", "nproc"), [(0, 1), (1, 0)])
+def test_no_nodes_or_processes_is_refused(nnodes: int, nproc: int) -> None:
     launcher = LocalLauncher(options=LocalLauncherOptions())
-    request = LaunchRequest(config=Path("run.yaml"), nnodes=2)
-    with pytest.raises(UsageError, match="this machine only: nnodes must be 1, not 2"):
+    request = LaunchRequest(config=Path("run.yaml"), nnodes=nnodes, nproc_per_node=nproc)
+    with pytest.raises(UsageError, match="nnodes and nproc_per_node must be >= 1"):
         launcher.dry_run(request)
-    with pytest.raises(UsageError, match="nnodes"):
+    with pytest.raises(UsageError, match="must be >= 1"):
         launcher.submit(request)
 
 
@@ -160,6 +188,36 @@ def test_a_submitted_run_trains_to_success(project: Path, launcher: LocalLaunche
     assert done == [done[0]] and done[0]["steps"] == 3, text
     assert (project / "runs" / "tiny" / "checkpoints" / "step-000000003.pt").is_file()
     wait_for(lambda: gone(record["pid"]), 10, "the runner's exit")
+
+
+@pytest.mark.slow
+def test_two_local_nodes_train_as_one_job_and_a_failing_node_fails_it(
+    project: Path, launcher: LocalLauncher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    request = LaunchRequest(
+        config=project / "run.yaml",
+        nnodes=2,
+        nproc_per_node=1,
+        overrides=("training.max_steps=3",),
+        run_dir=project / "runs",
+    )
+    handle = launcher.submit(request)
+    wait_for(lambda: launcher.status(handle) != "RUNNING", 120, "the run's end")
+    text = launcher.logs(handle)
+    assert launcher.status(handle) == "SUCCEEDED", text
+    started = [e for e in events(text) if e.get("event") == "training"]
+    assert len(started) == 1 and started[0]["world_size"] == 2, text  # one run, rank 0 logs
+    done = [e for e in events(text) if e.get("event") == "done"]
+    assert len(done) == 1 and done[0]["steps"] == 3, text
+
+    # A rank of the second node fails at step 2 (an injected fault): so does the job, and the
+    # first node's agent ends too.
+    monkeypatch.setenv("UPS_FAULTS", "error@1:2")
+    handle = launcher.submit(request)
+    wait_for(lambda: launcher.status(handle) != "RUNNING", 120, "the failed run's end")
+    text = launcher.logs(handle)
+    assert launcher.status(handle) == "FAILED", text
+    assert "injected" in text.lower(), text
 
 
 @pytest.mark.slow

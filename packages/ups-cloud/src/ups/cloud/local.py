@@ -5,7 +5,10 @@
     PYTHON -m torch.distributed.run --standalone --nproc-per-node N -m ups.core train CONFIG -o ...
 
 in a session of its own, through a small runner (:mod:`ups.cloud._runner`) that records the exit
-status. Everything about the job lives in its run folder, ``<run_dir>/<run.name>/`` (the
+status. With ``nnodes`` > 1 it rehearses a multi-machine job on this one: a bash script starts
+one torchrun agent per "node", all joined by a c10d rendezvous on ``127.0.0.1`` (the first
+agent serves it), waits for every agent, and exits with the status of the last one that failed
+(0 if none did); the dry run prints that script. Everything about the job lives in its run folder, ``<run_dir>/<run.name>/`` (the
 training run's own folder when ``run.output_dir`` is ``run_dir``, as by default)::
 
     job.json      the job record: pid, command, working directory, start time, log path
@@ -40,6 +43,7 @@ from ups.core import LaunchRequest, UsageError, above
 from ups.core.config import load_config
 from ups.core.files import write_atomically
 from ups.core.launch import train_args
+from ups.core.testing import free_port
 
 from . import _procs
 from ._runner import EXIT_FILE, LOG_FILE
@@ -69,6 +73,8 @@ class LocalLauncherOptions:
     Default: the Python running ups."""
     cancel_grace_s: float = attrs.field(default=10.0, validator=above(0))
     """Seconds ``cancel`` waits after SIGTERM before it sends SIGKILL."""
+    rdzv_port: int | None = attrs.field(default=None, validator=attrs.validators.optional(above(0)))
+    """The rendezvous port of a job of several local nodes; default: a free port."""
 
 
 @attrs.frozen(kw_only=True)
@@ -128,8 +134,10 @@ class LocalLauncher:
     # -- the Launcher protocol ----------------------------------------------------------------
 
     def dry_run(self, request: LaunchRequest) -> str:
-        """The command line :meth:`submit` would run, shell-quoted."""
-        return shlex.join(self.command(request))
+        """The command line :meth:`submit` would run, shell-quoted; for several nodes, the
+        script that starts them."""
+        command = self.command(request)
+        return command[2] if request.nnodes > 1 else shlex.join(command)
 
     def submit(self, request: LaunchRequest) -> str:
         """Start ``request`` detached; return its run folder (the handle of the job).
@@ -228,24 +236,45 @@ class LocalLauncher:
     # -- helpers ------------------------------------------------------------------------------
 
     def command(self, request: LaunchRequest) -> list[str]:
-        """The argv of the job :meth:`submit` starts for ``request``.
+        """The argv of the job :meth:`submit` starts for ``request``: torchrun, or for several
+        nodes ``bash -c SCRIPT`` (see the module doc).
 
-        :raises UsageError: for more than one node, or on a system without process groups.
+        :raises UsageError: a bad number of nodes or processes, or a system without process
+            groups.
         """
-        if request.nnodes != 1:
+        if request.nnodes < 1 or request.nproc_per_node < 1:
             raise UsageError(
-                f"the local launcher runs on this machine only: nnodes must be 1, not "
-                f"{request.nnodes}; use a launcher for clusters to run on several machines"
+                f"nnodes and nproc_per_node must be >= 1, not {request.nnodes} and "
+                f"{request.nproc_per_node}"
             )
-        if request.nproc_per_node < 1:
-            raise UsageError(f"nproc_per_node must be >= 1, not {request.nproc_per_node}")
         if os.name != "posix":
             raise UsageError("the local launcher needs a POSIX system (sessions, process groups)")
-        return [
-            self.options.python, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(request.nproc_per_node),
-            *train_args(Path(request.config).resolve(), request.overrides),
-        ]  # fmt: skip
+        train = train_args(Path(request.config).resolve(), request.overrides)
+        torchrun = [self.options.python, "-m", "torch.distributed.run"]
+        nproc = ["--nproc-per-node", str(request.nproc_per_node)]
+        if request.nnodes == 1:
+            return [*torchrun, "--standalone", *nproc, *train]
+        port = self.options.rdzv_port or free_port()
+        lines = [
+            f"# {request.nnodes} local nodes of {request.nproc_per_node} processes, "
+            f"rendezvous on 127.0.0.1:{port}",
+            "pids=()",
+        ]
+        for node in range(request.nnodes):
+            agent = [
+                *torchrun, "--nnodes", str(request.nnodes), *nproc,
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", f"ups-local-{port}",
+                "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
+                *train,
+            ]  # fmt: skip
+            lines += [f"{shlex.join(agent)} &", "pids+=($!)"]
+        lines += [
+            "status=0",
+            'for pid in "${pids[@]}"; do wait "$pid" || status=$?; done',
+            'exit "$status"',
+        ]
+        return ["bash", "-c", "\n".join(lines) + "\n"]
 
     def _find(self, handle: str) -> tuple[Path, JobRecord]:
         path = Path(handle)
