@@ -1,0 +1,190 @@
+"""``ups launch``, ``status``, ``logs`` and ``cancel`` with the ``vastai`` and ``vultr``
+launchers, each command a process of its own (as from later shells), against the loopback
+servers: a two-machine job from the dry run to its end, and a refused key. A key planted in the
+environment appears in nothing any of them prints or writes, nor in what they send but the
+authorization header."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+import vultr_server
+from vast_server import VastServer
+
+from ups.core.testing import run_ups, tiny_project
+
+VAST_KEY = "planted-vast-key-0c4d81b7e2"
+
+
+@pytest.fixture
+def seen() -> list[str]:
+    """Every text the commands printed, for the planted-key check."""
+    return []
+
+
+def ups(project: Path, seen: list[str], *args: str) -> tuple[int, str, str]:
+    result = run_ups(*args, cwd=project)
+    seen += [result.stdout, result.stderr]
+    return result.returncode, result.stdout, result.stderr
+
+
+def written(project: Path) -> list[str]:
+    """Every file under ``project`` (launch.json, logs, uploads...), as text."""
+    return [p.read_text(errors="replace") for p in project.rglob("*") if p.is_file()]
+
+
+class Cloud(Protocol):
+    """One cloud's loopback server, its launcher options and how its machines end a job."""
+
+    name: str
+    key: str
+    env: str
+
+    def options(self, project: Path) -> dict[str, Any]: ...
+
+    def live(self) -> int:
+        """How many instances exist."""
+        ...
+
+    def end_job(self, project: Path) -> None:
+        """What the start-up scripts do when training ends well: report, then stop."""
+        ...
+
+    def sent(self) -> list[str]:
+        """What the launcher sent the server, less the authorization header."""
+        ...
+
+
+class Vast:
+    name, key, env = "vastai", VAST_KEY, "VAST_API_KEY"
+
+    def __init__(self, server: VastServer) -> None:
+        self.server = server
+
+    def options(self, project: Path) -> dict[str, Any]:
+        return {"url": self.server.url, "poll_s": 0.02, "ready_timeout_s": 10.0}
+
+    def live(self) -> int:
+        return len(self.server.live())
+
+    def end_job(self, project: Path) -> None:
+        for instance_id, row in self.server.instances.items():
+            self.server.logs[instance_id] = f"training done on {instance_id}\n"
+            row.update(label="ups-exit-0", intended_status="stopped", actual_status="exited")
+
+    def sent(self) -> list[str]:
+        return [f"{method} {path} {body!r}" for method, path, _h, body in self.server.requests]
+
+
+class Vultr:
+    name, key, env = "vultr", vultr_server.KEY, "VULTR_API_KEY"
+
+    def __init__(self, server: vultr_server.VultrServer) -> None:
+        self.server = server
+
+    def options(self, project: Path) -> dict[str, Any]:
+        return {
+            "plan": "vcg-a100-1c-6g-4vram",
+            "region": "ewr",
+            "base_url": self.server.url,
+            "poll_s": 0.01,
+            "ready_timeout_s": 10,
+            "files": ["tiny.py"],
+            "upload_url": (project / "uploaded").as_uri(),
+        }
+
+    def live(self) -> int:
+        return len(self.server.instances)
+
+    def end_job(self, project: Path) -> None:
+        for node, folder in enumerate(["", "nodes/1"]):
+            (project / "uploaded" / folder).mkdir(parents=True, exist_ok=True)
+            (project / "uploaded" / folder / "startup.log").write_text(f"node {node} done\n")
+            (project / "uploaded" / folder / "startup.exit").write_text("0\n")
+        self.server.stop_all()
+
+    def sent(self) -> list[str]:
+        texts = []
+        for r in self.server.requests:
+            body = r["body"] or {}
+            if "user_data" in body:
+                texts.append(base64.b64decode(body["user_data"]).decode())
+            texts.append(f"{r['method']} {r['path']} {body!r} {r['query']!r}")
+        return texts
+
+
+@pytest.fixture(params=["vastai", "vultr"])
+def cloud(request: pytest.FixtureRequest) -> Iterator[Cloud]:
+    if request.param == "vastai":
+        with VastServer(VAST_KEY) as vast:
+            yield Vast(vast)
+    else:
+        with vultr_server.serve() as vultr:
+            yield Vultr(vultr)
+
+
+@pytest.fixture
+def project(tmp_path: Path, cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> Path:
+    tiny_project(
+        tmp_path,
+        distributed={"backend": "gloo"},
+        launch={"name": cloud.name, "options": cloud.options(tmp_path)},
+    )
+    monkeypatch.setenv(cloud.env, cloud.key)
+    return tmp_path
+
+
+def test_a_two_machine_job_from_dry_run_to_its_end_never_shows_the_key(
+    project: Path, cloud: Cloud, seen: list[str]
+) -> None:
+    status, out, err = ups(
+        project, seen, "launch", "run.yaml", "--nnodes", "2", "--nproc", "2", "--dry-run"
+    )
+    assert status == 0, err
+    assert out.count("#!/usr/bin/env bash") == 2  # both machines' start-up scripts
+    assert "--nnodes 2" in out and "/hour" in out  # multi-node, and a cost estimate
+    assert cloud.live() == 0 and not (project / "runs").exists()
+
+    status, out, err = ups(project, seen, "launch", "run.yaml", "--nnodes", "2", "--nproc", "2")
+    assert status == 0, err
+    handle = out.splitlines()[0].split(": ", 1)[1]
+    assert handle.startswith(f"{cloud.name}:") and len(handle.split(",")) == 2
+    record = json.loads((project / "runs" / "tiny" / "launch.json").read_text())
+    assert (record["launcher"], record["handle"]) == (cloud.name, handle)
+    assert record["request"]["nnodes"] == 2
+    assert cloud.live() == 2
+    assert ups(project, seen, "status", "tiny")[:2] == (0, "RUNNING\n")
+
+    cloud.end_job(project)
+    status, out, err = ups(project, seen, "logs", "tiny", "--follow", "--interval", "0.1")
+    assert status == 0, err
+    assert "done" in out
+    assert err.strip().splitlines()[-1] == "ups: tiny: SUCCEEDED"
+    assert ups(project, seen, "status", "tiny")[:2] == (0, "SUCCEEDED\n")
+    status, out, _ = ups(project, seen, "cancel", "tiny")
+    assert (status, cloud.live()) == (0, 0)
+
+    texts = seen + written(project) + cloud.sent()
+    assert [t for t in texts if cloud.key in t] == []
+
+
+def test_a_refused_key_is_one_line_and_leaves_nothing_running(
+    project: Path, cloud: Cloud, seen: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(cloud.env, "not-the-" + cloud.key)
+    status, out, err = ups(project, seen, "launch", "run.yaml", "--nnodes", "2", "--nproc", "2")
+    assert status == 2, out + err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "401" in err and "API key" in err, err
+    assert cloud.live() == 0
+    assert not (project / "runs" / "tiny" / "launch.json").exists()
+
+    monkeypatch.delenv(cloud.env)
+    status, _, err = ups(project, seen, "launch", "run.yaml")
+    assert status == 2 and f"no API key in ${cloud.env}" in err, err
+    assert cloud.live() == 0
