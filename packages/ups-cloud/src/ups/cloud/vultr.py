@@ -587,8 +587,13 @@ class VultrLauncher:
         url = self.options.upload_url
         if url is None:
             return None
-        import fsspec  # type: ignore[import-untyped, unused-ignore]
-
+        try:
+            import fsspec  # type: ignore[import-untyped, unused-ignore]
+        except ImportError:
+            raise UsageError(
+                f"vultr: reading upload_url {url} needs fsspec: pip install 'ups-cloud[upload]' "
+                "(and the URL protocol's package, e.g. s3fs)"
+            ) from None
         try:
             with fsspec.open(f"{url.rstrip('/')}/{name}", "r") as file:
                 return str(file.read())
