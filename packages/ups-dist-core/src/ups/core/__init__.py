@@ -11,6 +11,7 @@ from .plugins import Registry, load_plugins
 from .records import (
     CheckpointBackendPlugin,
     Checkpointer,
+    CommandPlugin,
     CommHookPlugin,
     Launcher,
     LauncherPlugin,
@@ -24,6 +25,7 @@ from .structure import above, at_least
 __all__ = [
     "CheckpointBackendPlugin",
     "Checkpointer",
+    "CommandPlugin",
     "CommHookPlugin",
     "Config",
     "ConfigError",
