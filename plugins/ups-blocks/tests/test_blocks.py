@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils.data import TensorDataset
+
 from ups.core import Config, ConfigError, RunContext, load_config, load_plugins
 from ups.core.engine import train
 from ups.core.testing import run_ranks
-
 from ups_blocks import plugin
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sized
 import attrs
 import torch
 from torch.utils.data import Sampler
+
 from ups.core import RunContext, SamplerPlugin, hookimpl
 
 
