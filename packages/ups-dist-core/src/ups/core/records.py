@@ -211,13 +211,13 @@ class LauncherPlugin(PluginRecord):
 class CommandRunner(Protocol):
     """Runs a plugin's command with the parsed arguments; returns the exit status."""
 
-    def __call__(self, args: argparse.Namespace) -> int: ...
+    def __call__(self, args: argparse.Namespace, /) -> int: ...
 
 
 class CommandFactory(Protocol):
     """Adds a command's arguments to its ``ups NAME`` parser; returns what runs it."""
 
-    def __call__(self, parser: argparse.ArgumentParser) -> CommandRunner: ...
+    def __call__(self, parser: argparse.ArgumentParser, /) -> CommandRunner: ...
 
 
 @attrs.frozen(kw_only=True)
