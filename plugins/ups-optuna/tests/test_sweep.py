@@ -13,7 +13,7 @@ import yaml
 from torch.utils.data import TensorDataset
 
 from ups.core import load_config, load_plugins
-from ups.core.testing import run_ups
+from ups.core.testing import install_plugin, run_ups
 from ups_optuna.link import PRUNED_AT
 
 COMPLETE, PRUNED, FAIL = (
@@ -168,6 +168,61 @@ def test_k_fold_trains_each_trial_once_per_fold_and_scores_the_mean(tmp_path: Pa
             folds.append(losses[max(losses)])
         assert trial.value == pytest.approx(sum(folds) / 2)
         assert trial.intermediate_values == pytest.approx({0: folds[0], 1: sum(folds) / 2})
+
+
+INLINE = '''
+"""A launcher that runs a job to its end inside submit, and writes down every request."""
+import json
+import os
+import subprocess
+import sys
+
+from ups.core import LauncherPlugin, hookimpl
+
+
+class Inline:
+    def __init__(self):
+        self.codes = {}
+
+    def submit(self, request):
+        with open(os.environ["INLINE_REQUESTS"], "a") as file:
+            file.write(json.dumps([request.nproc_per_node, list(request.overrides)]) + "\\n")
+        overrides = [arg for item in request.overrides for arg in ("-o", item)]
+        command = [sys.executable, "-m", "ups.core", "train", str(request.config)]
+        command += ["--nproc", str(request.nproc_per_node), *overrides]
+        handle = str(len(self.codes))
+        self.codes[handle] = subprocess.run(command, check=False).returncode
+        return handle
+
+    def status(self, handle):
+        return "SUCCEEDED" if self.codes[handle] == 0 else "FAILED"
+
+
+@hookimpl
+def ups_launchers():
+    return [LauncherPlugin(name="inline", factory=lambda options: Inline())]
+'''
+
+
+def test_trials_run_through_a_launcher_plugin_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site, "ups-inline", "ups_inline", INLINE)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("INLINE_REQUESTS", str(tmp_path / "requests.jsonl"))
+    config = project(tmp_path, {"params": {"training.lr": {"low": 0.01, "high": 0.3}}})
+    result = run_ups(
+        "sweep", str(config), "--trials", "1", "--launcher", "inline", cwd=tmp_path, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    requests = (tmp_path / "requests.jsonl").read_text().splitlines()
+    assert [json.loads(r) for r in requests] == [
+        [2, ["run.name=trial-0"]],
+        [2, ["run.name=trial-1"]],
+    ]
+    assert [t.state for t in load(tmp_path).get_trials()] == [COMPLETE, COMPLETE]
 
 
 @pytest.mark.parametrize(

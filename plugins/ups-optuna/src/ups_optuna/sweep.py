@@ -33,6 +33,7 @@ from matplotlib.figure import Figure
 from sqlalchemy.engine import make_url
 
 from ups.core import (
+    Config,
     ConfigError,
     Launcher,
     LaunchRequest,
@@ -160,15 +161,20 @@ class Study:
     nproc: int
     run: Runner
 
-    def trial_config(self, name: str, values: Mapping[str, object]) -> Path:
-        """Write the config of a trial, ``values`` sampled into it, as ``folder/NAME.yaml``;
-        return its path. The config is checked first (a bad key path is a ``ConfigError``)."""
+    def config(self, name: str, values: Mapping[str, object]) -> Config:
+        """The config of run ``name`` with ``values`` sampled into it, checked.
+
+        :raises ConfigError: naming the key path of a parameter the config cannot take.
+        """
         data = _set(_set(self.base, "run.output_dir", str(self.folder)), "run.name", name)
         for key, value in values.items():
             data = _set(data, key, value)
-        config = config_from_mapping(data, base_dir=self.source.resolve().parent)
+        return config_from_mapping(data, base_dir=self.source.resolve().parent)
+
+    def write(self, name: str, values: Mapping[str, object]) -> Path:
+        """Write :meth:`config` as ``folder/NAME.yaml``; return its path."""
         path = self.folder / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(attrs.asdict(config), sort_keys=False))
+        path.write_text(yaml.safe_dump(attrs.asdict(self.config(name, values)), sort_keys=False))
         return path
 
     def train_once(self, config: Path, run_name: str, overrides: Sequence[str]) -> float:
@@ -188,7 +194,7 @@ class Study:
         """
         values = {key: param.suggest(trial, key) for key, param in self.params.items()}
         name = f"trial-{trial.number}"
-        config = self.trial_config(name, values)
+        config = self.write(name, values)
         log.info("trial", number=trial.number, **values)
         if self.spec.folds == 1:
             ranks = link.TrialLink(
@@ -202,8 +208,10 @@ class Study:
                 try:
                     return self.train_once(config, name, ())
                 except Exception as error:
-                    (frozen,) = study.get_trials(deepcopy=False, states=(RUNNING,))
-                    step = frozen.user_attrs.get(link.PRUNED_AT)
+                    ended = study.get_trials(deepcopy=False)
+                    step = next(t for t in ended if t.number == trial.number).user_attrs.get(
+                        link.PRUNED_AT
+                    )
                     if step is None:
                         raise TrialFailedError(
                             f"trial {trial.number} ({self.folder / name}): "
@@ -309,9 +317,8 @@ def sweep(
         nproc=nproc or checked.distributed.nproc,
         run=runner(launcher),
     )
-    sweep_.trial_config(
-        "check", {k: p.choices[0] if p.choices else p.low for k, p in params.items()}
-    ).unlink()
+    # Every parameter's key path checked before the first trial starts.
+    sweep_.config("check", {k: p.choices[0] if p.choices else p.low for k, p in params.items()})
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     found = optuna.create_study(
         study_name=name,
@@ -341,7 +348,7 @@ def sweep(
         log.info("trial done", number=trial.number, value=value)
     best = found.best_trial
     assert best.value is not None
-    best_config = sweep_.trial_config("best", best.params)
+    best_config = sweep_.write("best", best.params)
     history = folder / "history.png"
     _plot(found, history)
     return SweepResult(
