@@ -224,6 +224,20 @@ def test_trials_run_through_a_launcher_plugin_named(
     assert (trial.state, trial.value) == (COMPLETE, losses[max(losses)])
 
 
+def test_a_failed_trial_stops_the_sweep_in_one_line_naming_its_run_folder(
+    tmp_path: Path,
+) -> None:
+    space = {"training.optimizer": {"choices": ["no_such_optimizer"]}}
+    config = project(tmp_path, {"params": space})
+    result = run_ups("sweep", str(config), "--trials", "2", cwd=tmp_path)
+    assert result.returncode == 1
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"ups: error: trial 0 ({tmp_path / 'runs' / 'sw' / 'trial-0'}): ")
+    # the first rank to fail, its error in one line
+    assert "rank 0 failed: ConfigError: training.optimizer: unknown 'no_such_optimizer'" in line
+    assert [t.state for t in load(tmp_path).get_trials()] == [FAIL]
+
+
 @pytest.mark.parametrize(
     ("args", "sweep", "message"),
     [

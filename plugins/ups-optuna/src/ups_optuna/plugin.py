@@ -13,6 +13,7 @@ This module imports neither Optuna nor the sweep driver: every ``ups`` process l
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
@@ -47,20 +48,24 @@ def sweep_command(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
 
 def run_sweep(args: argparse.Namespace) -> int:
     """Run ``ups sweep``; print the best trial and where its config and the plot went."""
-    from .sweep import sweep
+    from .sweep import TrialFailedError, sweep
 
     if args.trials < 1:
         raise UsageError(f"--trials must be >= 1, not {args.trials}")
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, not {args.nproc}")
-    result = sweep(
-        args.config,
-        trials=args.trials,
-        study=args.study,
-        storage=args.storage,
-        launcher=args.launcher,
-        nproc=args.nproc,
-    )
+    try:
+        result = sweep(
+            args.config,
+            trials=args.trials,
+            study=args.study,
+            storage=args.storage,
+            launcher=args.launcher,
+            nproc=args.nproc,
+        )
+    except TrialFailedError as error:
+        print(f"ups: error: {error}", file=sys.stderr)
+        return 1
     print(f"best trial: {result.best_trial} ({result.best_value:.6g}) {result.best_params}")
     print(f"best config: {result.best_config}")
     print(f"history: {result.history}")

@@ -31,6 +31,7 @@ import yaml
 from matplotlib import pyplot
 from matplotlib.figure import Figure
 from sqlalchemy.engine import make_url
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from ups.core import (
     Config,
@@ -82,7 +83,8 @@ class Runner(Protocol):
 
 
 def torchrun(config: Path, *, nproc: int, overrides: Sequence[str], run_dir: Path) -> None:
-    """The default runner: ``nproc`` local processes under torchrun's elastic agent."""
+    """The default runner: ``nproc`` local processes under torchrun's elastic agent (the run
+    goes to the config's ``run.output_dir``, which is ``run_dir``)."""
     train(config, nproc=nproc, overrides=overrides)
 
 
@@ -135,6 +137,19 @@ def objective_value(run_dir: Path, objective: Objective) -> float:
     return values[-1]
 
 
+def _reason(error: Exception) -> str:
+    """Why a trial's job failed, in one line: the first rank's error for torchrun's."""
+    if isinstance(error, ChildFailedError):
+        rank, failure = min(error.failures.items(), key=lambda item: item[1].timestamp)
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        text = f"rank {rank} failed: {message or f'exit code {failure.exitcode}'}"
+    else:
+        text = f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
+
+
 def _set(data: dict[str, Any], key: str, value: object) -> dict[str, Any]:
     """A copy of ``data`` with ``value`` at the dotted ``key`` (sections made as needed)."""
     head, _, rest = key.partition(".")
@@ -150,7 +165,7 @@ def _set(data: dict[str, Any], key: str, value: object) -> dict[str, Any]:
 
 
 @attrs.frozen(kw_only=True)
-class Study:
+class Search:
     """One sweep: the config without its sweep section, the search, where its files go."""
 
     source: Path
@@ -214,8 +229,7 @@ class Study:
                     )
                     if step is None:
                         raise TrialFailedError(
-                            f"trial {trial.number} ({self.folder / name}): "
-                            f"{type(error).__name__}: {error}"
+                            f"trial {trial.number} ({self.folder / name}): {_reason(error)}"
                         ) from error
                     raise optuna.TrialPruned(f"at step {step}") from None
         scores = []
@@ -308,7 +322,7 @@ def sweep(
     folder = Path(checked.run.output_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
     url = storage or f"sqlite:///{folder.resolve() / 'study.db'}"
-    sweep_ = Study(
+    search = Search(
         source=config,
         base=data,
         spec=spec,
@@ -318,7 +332,7 @@ def sweep(
         run=runner(launcher),
     )
     # Every parameter's key path checked before the first trial starts.
-    sweep_.config("check", {k: p.choices[0] if p.choices else p.low for k, p in params.items()})
+    search.config("check", {k: p.choices[0] if p.choices else p.low for k, p in params.items()})
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     found = optuna.create_study(
         study_name=name,
@@ -333,7 +347,7 @@ def sweep(
     while len(found.get_trials(deepcopy=False, states=FINISHED)) < trials:
         trial = found.ask()
         try:
-            value = sweep_.evaluate(found, trial, url)
+            value = search.evaluate(found, trial, url)
         except optuna.TrialPruned as pruned:
             found.tell(trial, state=optuna.trial.TrialState.PRUNED)
             log.info("trial pruned", number=trial.number, reason=str(pruned))
@@ -348,7 +362,7 @@ def sweep(
         log.info("trial done", number=trial.number, value=value)
     best = found.best_trial
     assert best.value is not None
-    best_config = sweep_.write("best", best.params)
+    best_config = search.write("best", best.params)
     history = folder / "history.png"
     _plot(found, history)
     return SweepResult(
