@@ -212,7 +212,8 @@ def test_trials_run_through_a_launcher_plugin_named(
     install_plugin(site, "ups-inline", "ups_inline", INLINE)
     monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("INLINE_REQUESTS", str(tmp_path / "requests.jsonl"))
-    config = project(tmp_path, {"params": {"training.lr": {"low": 0.01, "high": 0.3}}})
+    space = {"training.lr": {"low": 0.01, "high": 0.3}}
+    config = project(tmp_path, {"params": space, "objective": {"kind": "train"}})
     result = run_ups(
         "sweep", str(config), "--trials", "1", "--launcher", "inline", cwd=tmp_path, timeout=300
     )
@@ -220,8 +221,12 @@ def test_trials_run_through_a_launcher_plugin_named(
     requests = (tmp_path / "requests.jsonl").read_text().splitlines()
     assert [json.loads(r) for r in requests] == [[2, ["run.name=trial-0"]]]
     (trial,) = load(tmp_path).get_trials()
-    losses = evals(tmp_path / "runs" / "sw" / "trial-0")
-    assert (trial.state, trial.value) == (COMPLETE, losses[max(losses)])
+    lines = (tmp_path / "runs" / "sw" / "trial-0" / "metrics.jsonl").read_text().splitlines()
+    losses = {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+    # scored by the training loss: its last report, every report passed on by rank 0 (the
+    # launcher's processes inherit the sweep's environment)
+    assert (trial.state, trial.value) == (COMPLETE, losses[4])
+    assert trial.intermediate_values == losses
 
 
 def test_a_failed_trial_stops_the_sweep_in_one_line_naming_its_run_folder(
