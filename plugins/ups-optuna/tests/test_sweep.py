@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,9 @@ import torch
 import yaml
 from torch.utils.data import TensorDataset
 
-from ups.core import load_config, load_plugins
+from ups.core import UsageError, load_config, load_plugins
 from ups.core.testing import install_plugin, run_ups
+from ups_optuna import sweep
 from ups_optuna.link import PRUNED_AT
 
 COMPLETE, PRUNED, FAIL = (
@@ -243,40 +245,45 @@ def test_a_failed_trial_stops_the_sweep_in_one_line_naming_its_run_folder(
     assert [t.state for t in load(tmp_path).get_trials()] == [FAIL]
 
 
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = run_ups("sweep", str(project(tmp_path, {"params": SPACE})), "--trials", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "ups: error: --trials must be >= 1, not 0"
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize(
-    ("args", "sweep", "message"),
+    ("sweep_section", "launcher", "message"),
     [
-        (["--trials", "0"], {"params": SPACE}, "--trials must be >= 1, not 0"),
         (
-            ["--trials", "1"],
             {"params": {"training.lrr": {"low": 0.1, "high": 0.2}}},
+            None,
             "training.lrr: unknown key; allowed: ",
         ),
         (
-            ["--trials", "1"],
             {"params": {"training.lr": {"low": 0.3, "high": 0.2}}},
+            None,
             "sweep.params.training.lr: low (0.3) is above high (0.2)",
         ),
         (
-            ["--trials", "1"],
-            {"params": SPACE, "objective": {"kind": "val"}},
-            "sweep.objective.kind: 'val' is not one of eval, train",
+            {"params": {"training.lr": {"low": 0.0, "high": 0.2, "log": True}}},
+            None,
+            "sweep.params.training.lr: a log scale needs low > 0 and no step",
         ),
         (
-            ["--trials", "1", "--launcher", "nope"],
-            {"params": SPACE},
-            "--launcher: unknown launcher 'nope'",
+            {"params": SPACE, "objective": {"kind": "val"}},
+            None,
+            "sweep.objective.kind: 'val' is not one of eval, train",
         ),
+        ({"params": SPACE}, "nope", "--launcher: unknown launcher 'nope'"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(
-    tmp_path: Path, args: list[str], sweep: dict[str, Any], message: str
+def test_a_mistake_is_a_usage_error_naming_its_key_before_any_trial(
+    tmp_path: Path, sweep_section: dict[str, Any], launcher: str | None, message: str
 ) -> None:
-    result = run_ups("sweep", str(project(tmp_path, sweep)), *args, cwd=tmp_path)
-    assert result.returncode == 2, result.stderr[-2000:]
-    line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith("ups: error: ") and message in line, line
-    assert "Traceback" not in result.stderr
+    with pytest.raises(UsageError, match=re.escape(message)):
+        sweep(project(tmp_path, sweep_section), trials=1, launcher=launcher)
+    assert not (tmp_path / "runs" / "sw" / "study.db").exists()
 
 
 def test_the_sweep_command_is_registered() -> None:
