@@ -28,7 +28,11 @@ PACKAGES = {
     "comm_hooks": "ups-comm-hooks",
     "cloud": "ups-cloud",
 }
+PLUGINS = ("ups-blocks", "ups-tensorboard", "ups-optuna")
+"""The plugins of plugins/, written as a third party would write them."""
 TOOLS = {"ruff": "ruff==0.17.6", "mypy": "mypy==2.4.1"}
+DOCS = ("mkdocs", "mkdocs-material")
+DOCS_TESTS = ("tests/test_docs_code.py", "tests/test_docs_hooks.py", "tests/test_docs_config.py")
 CONSTRAINTS = ROOT / "constraints-ci.txt"
 """Exact versions of the S3 test stack, which pip's resolver otherwise backtracks through."""
 
@@ -39,6 +43,7 @@ nox.options.sessions = [
     "integration",
     "lint",
     "typecheck",
+    "test-plugins",
     "summary",
 ]
 
@@ -112,6 +117,29 @@ def integration(session: nox.Session) -> None:
     """Every distribution together: end-to-end runs of the CLI, the example, third-party plugins."""
     install(session, *PACKAGES)
     pytest(session, "integration", "tests")
+    discard(session)
+
+
+@nox.session(name="test-plugins")
+def test_plugins(session: nox.Session) -> None:
+    """The plugins, installed from their folders with pip as a user installs them (not
+    editable), with every distribution of packages/ (the docs select their plugins): the
+    plugins' tests, their types, the docs' tests, and the site built with ``mkdocs --strict``."""
+    session.install(
+        "-c", str(CONSTRAINTS), TORCH, "pytest>=8", TOOLS["mypy"], "types-PyYAML", *DOCS
+    )
+    session.install(
+        "-c",
+        str(CONSTRAINTS),
+        *(f"./packages/{d}" for d in PACKAGES.values()),
+        *(f"./plugins/{p}" for p in PLUGINS),
+    )
+    session.run("ups", "plugins")
+    pytest(session, "test-plugins", *(f"plugins/{p}/tests" for p in PLUGINS), *DOCS_TESTS)
+    session.run("mypy", *(f"plugins/{p}/src" for p in PLUGINS))
+    session.run(
+        "mkdocs", "build", "--strict", "--site-dir", str(Path(session.create_tmp()) / "site")
+    )
     discard(session)
 
 

@@ -1,7 +1,7 @@
 """ups-dist-core: the engine of ups — run context, config, training loop, plugin contract, CLI."""
 
 from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
-from .config import Config, load_config
+from .config import Config, config_from_mapping, load_config, read_yaml
 from .context import RunContext, distributed_session
 from .engine import TrainResult
 from .errors import ConfigError, UsageError
@@ -11,6 +11,7 @@ from .plugins import Registry, load_plugins
 from .records import (
     CheckpointBackendPlugin,
     Checkpointer,
+    CommandPlugin,
     CommHookPlugin,
     Launcher,
     LauncherPlugin,
@@ -19,11 +20,12 @@ from .records import (
     NoOptions,
     SamplerPlugin,
 )
-from .structure import above, at_least
+from .structure import above, at_least, structure
 
 __all__ = [
     "CheckpointBackendPlugin",
     "Checkpointer",
+    "CommandPlugin",
     "CommHookPlugin",
     "Config",
     "ConfigError",
@@ -42,12 +44,15 @@ __all__ = [
     "above",
     "all_mean",
     "at_least",
+    "config_from_mapping",
     "decide",
     "distributed_session",
     "gather_failures",
     "hookimpl",
     "load_config",
     "load_plugins",
+    "read_yaml",
     "run_processes",
+    "structure",
     "train",
 ]

@@ -1,6 +1,6 @@
 """The ``ups`` command: ``train``, ``validate``, ``tune``, ``report``, ``plugins``, and
 ``launch``, ``status``, ``logs`` and ``cancel`` (through a launcher plugin; see
-:mod:`ups.core.launch_record`).
+:mod:`ups.core.launch_record`), and the commands plugins add (``ups_commands``).
 
 Usage errors (bad config, unknown plugin, missing file) print one line and exit with status 2.
 """
@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import structlog
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -33,7 +33,7 @@ from .launch_record import (
     new_record,
 )
 from .plugins import FAMILIES, Registry, load_plugins
-from .records import Launcher, LaunchRequest
+from .records import CommandPlugin, Launcher, LaunchRequest
 from .validate import validate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -49,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = _Parser(prog="ups", description="DDP training done right, from one YAML file.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -140,7 +140,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     cancel = commands.add_parser("cancel", help="stop a launched run and release what it holds")
     cancel.add_argument("run", metavar="RUN", help=run_help)
+    if not (argv and argv[0] in _COMMANDS):  # a built-in command loads no plugin to parse
+        _plugin_commands(commands)
     return parser
+
+
+def _plugin_commands(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """Add ``ups NAME`` for every command a plugin registers; its runner is ``args.ups_command``."""
+    for name, provided in sorted(load_plugins().records("command").items()):
+        if name in _COMMANDS:
+            raise UsageError(
+                f"plugin {provided.plugin!r} registers the command {name!r}, which is built in; "
+                "uninstall it or block it with UPS_BLOCK_PLUGINS"
+            )
+        record = cast(CommandPlugin, provided.record)
+        command = commands.add_parser(name, help=record.description)
+        command.set_defaults(ups_command=record.factory(command))
 
 
 def _overrides(parser: argparse.ArgumentParser) -> None:
@@ -157,9 +172,11 @@ def _overrides(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ups`` command line; return its exit status."""
     logs.configure(RunContext())  # until a run knows its rank
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = _parser().parse_args(argv)
-        return _COMMANDS[args.command](args)
+        args = _parser(argv).parse_args(argv)
+        run = _COMMANDS.get(args.command) or args.ups_command  # a plugin's (_plugin_commands)
+        return int(run(args))
     except UsageError as error:
         print(f"ups: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -4,7 +4,7 @@ A plugin is a module (or object) with functions named like these specs, marked w
 :data:`ups.core.hookimpl`, and listed under the ``ups`` entry-point group of its distribution.
 Hooks take keyword arguments only; an implementation may accept any subset of them.
 
-Registration (samplers, comm hooks, checkpoint backends, launchers)
+Registration (samplers, comm hooks, checkpoint backends, launchers, commands)
     Each returns the records of what the plugin provides. The engine gathers them from all
     plugins; a name claimed by two plugins is an error naming both.
 
@@ -24,7 +24,13 @@ if TYPE_CHECKING:
     from .config import Config
     from .context import RunContext
     from .engine import TrainResult
-    from .records import CheckpointBackendPlugin, CommHookPlugin, LauncherPlugin, SamplerPlugin
+    from .records import (
+        CheckpointBackendPlugin,
+        CommandPlugin,
+        CommHookPlugin,
+        LauncherPlugin,
+        SamplerPlugin,
+    )
 
 # ---------------------------------------------------------------------------------------------
 # Registration
@@ -65,6 +71,33 @@ def ups_launchers() -> Iterable[LauncherPlugin]:
     """Register launchers (local, SLURM, clouds), selected by ``launch: {name: ...}``.
 
     :returns: the :class:`~ups.core.records.LauncherPlugin` records this plugin provides.
+    """
+
+
+@hookspec
+def ups_commands() -> Iterable[CommandPlugin]:
+    """Register subcommands of the ``ups`` command line: ``ups NAME ...``.
+
+    A record's ``factory`` receives the command's ``argparse`` parser, adds its arguments and
+    returns the function that runs the command with the parsed arguments and returns its exit
+    status. A name that a built-in command has is an error naming the plugin.
+
+    :returns: the :class:`~ups.core.records.CommandPlugin` records this plugin provides.
+
+    Example::
+
+        def hello(parser):
+            parser.add_argument("who")
+
+            def run(args):
+                print(f"hello {args.who}")
+                return 0
+
+            return run
+
+        @hookimpl
+        def ups_commands():
+            return [CommandPlugin(name="hello", factory=hello, description="say hello")]
     """
 
 

@@ -27,6 +27,7 @@ from .errors import ConfigError, UsageError, did_you_mean, one_of
 from .markers import NAME
 from .records import (
     CheckpointBackendPlugin,
+    CommandPlugin,
     CommHookPlugin,
     LauncherPlugin,
     PluginRecord,
@@ -43,12 +44,13 @@ BUILTIN_NAME = "ups-dist-core"
 BUILTINS = "ups.core.builtins"
 """The module of the built-in plugin, registered under the name ``ups-dist-core``."""
 
-Family = Literal["sampler", "comm_hook", "checkpoint", "launcher"]
+Family = Literal["sampler", "comm_hook", "checkpoint", "launcher", "command"]
 FAMILIES: Mapping[Family, tuple[str, type[PluginRecord]]] = {
     "sampler": ("ups_samplers", SamplerPlugin),
     "comm_hook": ("ups_comm_hooks", CommHookPlugin),
     "checkpoint": ("ups_checkpoint_backends", CheckpointBackendPlugin),
     "launcher": ("ups_launchers", LauncherPlugin),
+    "command": ("ups_commands", CommandPlugin),
 }
 """Each registration family: its hook and the record type the hook returns."""
 

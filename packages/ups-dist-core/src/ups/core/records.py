@@ -7,6 +7,7 @@ class its ``options`` mapping in the config is checked against.
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Mapping, Sized
 from pathlib import Path
@@ -201,3 +202,28 @@ class LauncherPlugin(PluginRecord):
     """A way to run a config somewhere: this machine, SLURM, a cloud."""
 
     factory: LauncherFactory
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+class CommandRunner(Protocol):
+    """Runs a plugin's command with the parsed arguments; returns the exit status."""
+
+    def __call__(self, args: argparse.Namespace, /) -> int: ...
+
+
+class CommandFactory(Protocol):
+    """Adds a command's arguments to its ``ups NAME`` parser; returns what runs it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, /) -> CommandRunner: ...
+
+
+@attrs.frozen(kw_only=True)
+class CommandPlugin(PluginRecord):
+    """A subcommand of ``ups``: ``ups NAME ...``, listed by ``ups --help`` with
+    ``description`` as its help. A :class:`~ups.core.UsageError` it raises is printed as one
+    line, with exit status 2, like the built-in commands' errors."""
+
+    factory: CommandFactory

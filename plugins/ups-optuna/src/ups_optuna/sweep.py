@@ -1,0 +1,374 @@
+"""``ups sweep``: sample a config's ``sweep.params`` into it, train each trial through a
+launcher, score it from its run's metrics, keep the study in Optuna's RDB storage (SQLite by
+default) so that an interrupted sweep resumes, and write the best config and a plot.
+
+Files, under ``STUDY_DIR = run.output_dir/STUDY``:
+
+- ``study.db``: the study (the default storage);
+- ``trial-N.yaml``: trial N's config (resolved, the sweep section removed);
+- ``trial-N/`` (or ``trial-N-fold-I/``): its run folder, with ``metrics.jsonl``;
+- ``best.yaml``: the best trial's config, ``run.name: best``;
+- ``history.png``: the optimisation history.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import matplotlib
+import optuna
+import structlog
+import yaml
+from matplotlib import pyplot
+from matplotlib.figure import Figure
+from sqlalchemy.engine import make_url
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from ups.core import (
+    Config,
+    ConfigError,
+    Launcher,
+    LaunchRequest,
+    UsageError,
+    config_from_mapping,
+    load_plugins,
+    read_yaml,
+    train,
+)
+
+from . import link
+from .space import Objective, Param, Sweep, parse_sweep
+
+log = structlog.get_logger()
+matplotlib.use("Agg")  # files only, never a window
+
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+"""The final states of a launcher's job (``ups.core.Launcher.status``)."""
+RUNNING = optuna.trial.TrialState.RUNNING
+FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+
+
+class TrialFailedError(Exception):
+    """A trial's job failed (not pruned): the sweep stops, naming the trial's run folder."""
+
+
+@attrs.frozen(kw_only=True)
+class SweepResult:
+    """What ``ups sweep`` leaves: the best trial and where its config and the plot went."""
+
+    best_trial: int
+    best_value: float
+    best_params: dict[str, Any]
+    best_config: Path
+    history: Path
+
+
+class Runner(Protocol):
+    """Trains one config on ``nproc`` processes per machine and returns once it ended."""
+
+    def __call__(
+        self, config: Path, *, nproc: int, overrides: Sequence[str], run_dir: Path
+    ) -> None:
+        """:raises Exception: when the job did not succeed."""
+        ...
+
+
+def torchrun(config: Path, *, nproc: int, overrides: Sequence[str], run_dir: Path) -> None:
+    """The default runner: ``nproc`` local processes under torchrun's elastic agent (the run
+    goes to the config's ``run.output_dir``, which is ``run_dir``)."""
+    train(config, nproc=nproc, overrides=overrides)
+
+
+@attrs.frozen
+class LauncherRunner:
+    """A runner through a launcher plugin: submit, then follow the job until it ends."""
+
+    name: str
+    launcher: Launcher
+    poll_s: float = 1.0
+
+    def __call__(
+        self, config: Path, *, nproc: int, overrides: Sequence[str], run_dir: Path
+    ) -> None:
+        request = LaunchRequest(
+            config=config, nproc_per_node=nproc, overrides=tuple(overrides), run_dir=run_dir
+        )
+        handle = self.launcher.submit(request)
+        while (state := self.launcher.status(handle)) not in TERMINAL:
+            time.sleep(self.poll_s)
+        if state != "SUCCEEDED":
+            raise TrialFailedError(f"launcher {self.name!r}: job {handle} {state}")
+
+
+def runner(name: str | None) -> Runner:
+    """torchrun here, or the launcher plugin ``name`` with its default options."""
+    if name is None:
+        return torchrun
+    try:
+        record, options = load_plugins().select("launcher", name, {}, "launch")
+    except ConfigError as error:
+        raise UsageError(f"--launcher: {error.problem}") from None
+    return LauncherRunner(name, record.factory(options=options))
+
+
+def objective_value(run_dir: Path, objective: Objective) -> float:
+    """The objective's last value in ``run_dir/metrics.jsonl`` (as ``ups report`` reads it).
+
+    :raises TrialFailedError: when the run recorded no such value.
+    """
+    path = run_dir / "metrics.jsonl"
+    values = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("kind") == objective.kind and record.get(objective.metric) is not None:
+                values.append(float(record[objective.metric]))
+    if not values:
+        raise TrialFailedError(f"{path}: no {objective.kind} value of {objective.metric!r}")
+    return values[-1]
+
+
+def _reason(error: Exception) -> str:
+    """Why a trial's job failed, in one line: the first rank's error for torchrun's."""
+    if isinstance(error, ChildFailedError):
+        rank, failure = min(error.failures.items(), key=lambda item: item[1].timestamp)
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        text = f"rank {rank} failed: {message or f'exit code {failure.exitcode}'}"
+    else:
+        text = f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
+
+
+def _set(data: dict[str, Any], key: str, value: object) -> dict[str, Any]:
+    """A copy of ``data`` with ``value`` at the dotted ``key`` (sections made as needed)."""
+    head, _, rest = key.partition(".")
+    copy = dict(data)
+    if not rest:
+        copy[head] = value
+        return copy
+    section = copy.get(head) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(key, f"{head!r} is not a section")
+    copy[head] = _set(section, rest, value)
+    return copy
+
+
+@attrs.frozen(kw_only=True)
+class Search:
+    """One sweep: the config without its sweep section, the search, where its files go."""
+
+    source: Path
+    base: dict[str, Any]
+    spec: Sweep
+    params: dict[str, Param]
+    folder: Path
+    nproc: int
+    run: Runner
+
+    def config(self, name: str, values: Mapping[str, object]) -> Config:
+        """The config of run ``name`` with ``values`` sampled into it, checked.
+
+        :raises ConfigError: naming the key path of a parameter the config cannot take.
+        """
+        data = _set(_set(self.base, "run.output_dir", str(self.folder)), "run.name", name)
+        for key, value in values.items():
+            data = _set(data, key, value)
+        return config_from_mapping(data, base_dir=self.source.resolve().parent)
+
+    def write(self, name: str, values: Mapping[str, object]) -> Path:
+        """Write :meth:`config` as ``folder/NAME.yaml``; return its path."""
+        path = self.folder / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(attrs.asdict(self.config(name, values)), sort_keys=False))
+        return path
+
+    def train_once(self, config: Path, run_name: str, overrides: Sequence[str]) -> float:
+        """The single-trial function: train ``config`` once and return its objective."""
+        self.run(
+            config,
+            nproc=self.nproc,
+            overrides=[*overrides, f"run.name={run_name}"],
+            run_dir=self.folder,
+        )
+        return objective_value(self.folder / run_name, self.spec.objective)
+
+    def evaluate(self, study: optuna.Study, trial: optuna.Trial, storage: str) -> float:
+        """Sample, write and train ``trial`` (once per fold); return its objective.
+
+        :raises optuna.TrialPruned: when the pruner stopped it.
+        """
+        values = {key: param.suggest(trial, key) for key, param in self.params.items()}
+        name = f"trial-{trial.number}"
+        config = self.write(name, values)
+        log.info("trial", number=trial.number, **values)
+        if self.spec.folds == 1:
+            ranks = link.TrialLink(
+                storage=storage,
+                study=study.study_name,
+                trial=trial.number,
+                objective=self.spec.objective,
+                pruner=self.spec.pruner,
+            )
+            with _environ(ranks.env()):
+                try:
+                    return self.train_once(config, name, ())
+                except Exception as error:
+                    ended = study.get_trials(deepcopy=False)
+                    step = next(t for t in ended if t.number == trial.number).user_attrs.get(
+                        link.PRUNED_AT
+                    )
+                    if step is None:
+                        raise TrialFailedError(
+                            f"trial {trial.number} ({self.folder / name}): {_reason(error)}"
+                        ) from error
+                    raise optuna.TrialPruned(f"at step {step}") from None
+        scores = []
+        for fold in range(self.spec.folds):
+            scores.append(self.train_once(config, f"{name}-fold-{fold}", self._fold(fold)))
+            trial.report(sum(scores) / len(scores), fold)
+            if trial.should_prune():
+                raise optuna.TrialPruned(f"after fold {fold}")
+        return sum(scores) / len(scores)
+
+    def _fold(self, fold: int) -> list[str]:
+        sections = ["data"] + (["eval"] if self.base.get("eval") else [])
+        return [
+            f"{section}.options.{key}={value}"
+            for section in sections
+            for key, value in (("fold", fold), ("folds", self.spec.folds))
+        ]
+
+
+@contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set, for the processes started inside."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = read_yaml(path.read_text())
+    except OSError as error:
+        raise UsageError(f"cannot read config file {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise UsageError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from None
+    if not isinstance(data, dict) or "sweep" not in data:
+        raise UsageError(f"{path}: no sweep section; add sweep: {{params: {{training.lr: ...}}}}")
+    return data
+
+
+def _resume(study: optuna.Study) -> None:
+    """Trials an interrupted sweep left running are failed, and their parameters queued to run
+    again first."""
+    for trial in study.get_trials(deepcopy=False, states=(RUNNING,)):
+        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(trial.params, skip_if_exists=False)
+        log.warning("interrupted trial queued again", number=trial.number, **trial.params)
+
+
+def _plot(study: optuna.Study, path: Path) -> None:
+    """The optimisation history (Optuna's matplotlib plot) into ``path``."""
+    with (
+        warnings.catch_warnings()
+    ):  # the matplotlib backend of optuna.visualization is "experimental"
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        axes = optuna.visualization.matplotlib.plot_optimization_history(study)
+    figure = axes.get_figure(root=True)
+    assert isinstance(figure, Figure)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+    pyplot.close(figure)
+
+
+def sweep(
+    config: Path,
+    *,
+    trials: int,
+    study: str | None = None,
+    storage: str | None = None,
+    launcher: str | None = None,
+    nproc: int | None = None,
+) -> SweepResult:
+    """Run (or resume) the sweep of ``config`` until its study holds ``trials`` finished
+    trials (complete or pruned); write the best config and the history plot.
+
+    :raises UsageError: a bad config or sweep section (naming the key), an unknown launcher.
+    :raises TrialFailedError: a trial's job failed (the sweep stops; run it again to resume).
+    """
+    data = _read(config)
+    spec, params = parse_sweep(data.pop("sweep"))
+    checked = config_from_mapping(data, base_dir=config.resolve().parent)
+    if spec.objective.kind == "eval" and checked.eval is None:
+        raise ConfigError("sweep.objective.kind", "'eval' needs an eval section in the config")
+    name = study or checked.run.name
+    folder = Path(checked.run.output_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    url = storage or f"sqlite:///{folder.resolve() / 'study.db'}"
+    search = Search(
+        source=config,
+        base=data,
+        spec=spec,
+        params=params,
+        folder=folder,
+        nproc=nproc or checked.distributed.nproc,
+        run=runner(launcher),
+    )
+    # Every parameter's key path checked before the first trial starts.
+    search.config("check", {k: p.choices[0] if p.choices else p.low for k, p in params.items()})
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    found = optuna.create_study(
+        study_name=name,
+        storage=url,
+        direction=spec.objective.direction,
+        sampler=optuna.samplers.TPESampler(seed=checked.run.seed),
+        pruner=spec.pruner.pruner(),
+        load_if_exists=True,
+    )
+    log.info("study", name=name, storage=make_url(url).render_as_string(hide_password=True))
+    _resume(found)
+    while len(found.get_trials(deepcopy=False, states=FINISHED)) < trials:
+        trial = found.ask()
+        try:
+            value = search.evaluate(found, trial, url)
+        except optuna.TrialPruned as pruned:
+            found.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            log.info("trial pruned", number=trial.number, reason=str(pruned))
+            continue
+        except BaseException:
+            found.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise
+        if not math.isfinite(value):
+            found.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise TrialFailedError(f"trial {trial.number}: objective {value}")
+        found.tell(trial, value)
+        log.info("trial done", number=trial.number, value=value)
+    best = found.best_trial
+    assert best.value is not None
+    best_config = search.write("best", best.params)
+    history = folder / "history.png"
+    _plot(found, history)
+    return SweepResult(
+        best_trial=best.number,
+        best_value=best.value,
+        best_params=dict(best.params),
+        best_config=best_config,
+        history=history,
+    )

@@ -1,0 +1,290 @@
+"""``ups sweep``: real small sweeps, every trial on 2 gloo ranks on CPU, its study in SQLite."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import torch
+import yaml
+from torch.utils.data import TensorDataset
+
+from ups.core import UsageError, load_config, load_plugins
+from ups.core.testing import install_plugin, run_ups
+from ups_optuna import sweep
+from ups_optuna.link import PRUNED_AT
+
+COMPLETE, PRUNED, FAIL = (
+    optuna.trial.TrialState.COMPLETE,
+    optuna.trial.TrialState.PRUNED,
+    optuna.trial.TrialState.FAIL,
+)
+
+
+def make_data(
+    n: int = 64, fold: int | None = None, folds: int | None = None, held_out: bool = False
+) -> TensorDataset:
+    """y = sum(x); with ``folds``, fold ``fold`` held out (the evaluation) or left out (training)."""
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+    if folds is not None:
+        keep = (torch.arange(n) % folds == fold) == held_out
+        x = x[keep]
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+def project(tmp_path: Path, sweep: dict[str, Any], **sections: Any) -> Path:
+    """A config of 2 ranks x 4 steps (64 samples, batches of 8), evaluated every 2 steps."""
+    config: dict[str, Any] = {
+        "run": {"name": "sw", "output_dir": str(tmp_path / "runs"), "log_every": 2},
+        "model": {"factory": "torch.nn:Linear", "options": {"in_features": 4, "out_features": 1}},
+        "data": {"factory": f"{__file__}:make_data"},
+        "eval": {"factory": f"{__file__}:make_data", "every_steps": 2},
+        "training": {"batch_size": 8, "optimizer": "sgd"},
+        "distributed": {"nproc": 2},
+        "sweep": sweep,
+        **sections,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def evals(run_dir: Path) -> dict[int, float]:
+    """The evaluation losses of a run by step, from its metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "eval"}
+
+
+def load(tmp_path: Path, name: str = "sw") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path}/runs/{name}/study.db")
+
+
+SPACE = {
+    "training.lr": {"low": 1.0e-3, "high": 0.3, "log": True},
+    "training.batch_size": {"choices": [8, 16]},
+    "eval.batch_size": {"low": 4, "high": 8, "step": 4},
+}
+
+
+def test_three_trials_scored_from_their_metrics_then_an_interrupted_sweep_resumes(
+    tmp_path: Path,
+) -> None:
+    config = project(tmp_path, {"params": SPACE, "pruner": {"name": "none"}})
+    result = run_ups("sweep", str(config), "--trials", "3", cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    study = load(tmp_path)
+    trials = study.get_trials(states=(COMPLETE,))
+    assert [t.number for t in trials] == [0, 1, 2]
+    for trial in trials:
+        losses = evals(tmp_path / "runs" / "sw" / f"trial-{trial.number}")
+        assert trial.value == losses[max(losses)]  # the objective: the last evaluation's loss
+        assert trial.intermediate_values == losses  # reported by rank 0 as it trained
+        assert isinstance(trial.params["eval.batch_size"], int)
+    best = min(trials, key=lambda t: t.value or 0.0)
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"best trial: {best.number} ")
+    best_config = load_config(tmp_path / "runs" / "sw" / "best.yaml")
+    assert best_config.training.lr == best.params["training.lr"]
+    assert best_config.training.batch_size == best.params["training.batch_size"]
+    assert best_config.run.name == "best"
+    history = tmp_path / "runs" / "sw" / "history.png"
+    assert history.read_bytes().startswith(b"\x89PNG")
+
+    # A sweep killed while trial 3 ran: the trial is left RUNNING with its parameters.
+    interrupted = study.ask(
+        {
+            "training.lr": optuna.distributions.FloatDistribution(1.0e-3, 0.3, log=True),
+            "training.batch_size": optuna.distributions.CategoricalDistribution([8, 16]),
+            "eval.batch_size": optuna.distributions.IntDistribution(4, 8, step=4),
+        }
+    )
+    result = run_ups("sweep", str(config), "--trials", "4", cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    study = load(tmp_path)
+    assert [(t.number, t.state) for t in study.get_trials()] == [
+        (0, COMPLETE),
+        (1, COMPLETE),
+        (2, COMPLETE),
+        (3, FAIL),
+        (4, COMPLETE),
+    ]
+    assert study.trials[4].params == interrupted.params  # run again, first
+
+
+def test_a_trial_worse_than_the_median_is_pruned_on_every_rank_at_one_step(
+    tmp_path: Path,
+) -> None:
+    config = project(
+        tmp_path,
+        {
+            "params": {"training.lr": {"low": 1.0e-6, "high": 0.3, "log": True}},
+            "pruner": {"name": "median", "startup_trials": 1},
+        },
+    )
+    (tmp_path / "runs" / "sw").mkdir(parents=True)
+    study = optuna.create_study(study_name="sw", storage=f"sqlite:///{tmp_path}/runs/sw/study.db")
+    study.enqueue_trial({"training.lr": 0.2})
+    study.enqueue_trial({"training.lr": 1.0e-6})  # hardly moves: worse at the first evaluation
+    result = run_ups("sweep", str(config), "--trials", "2", cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = load(tmp_path).get_trials()
+    assert (first.state, second.state) == (COMPLETE, PRUNED)
+    assert second.user_attrs[PRUNED_AT] == 2
+    # Every rank stopped at step 2, right after the evaluation that was reported (a rank going
+    # on alone would have hung the job, and logged its step-2 report after step 3).
+    logs = tmp_path / "runs" / "sw" / "trial-1" / "logs"
+    for rank in (0, 1):
+        events = [
+            json.loads(line) for line in (logs / f"rank{rank}.jsonl").read_text().splitlines()
+        ]
+        assert [(e["event"], e["step"]) for e in events if "step" in e] == [("eval", 2)]
+        assert second.intermediate_values == {2: pytest.approx(events[-1]["val_loss"], rel=1e-5)}
+
+
+def test_k_fold_trains_each_trial_once_per_fold_and_scores_the_mean(tmp_path: Path) -> None:
+    config = project(
+        tmp_path,
+        {"params": {"training.lr": {"low": 0.01, "high": 0.3, "log": True}}, "folds": 2},
+        data={"factory": f"{__file__}:make_data", "options": {"n": 128}},
+        eval={"factory": f"{__file__}:make_data", "options": {"n": 128, "held_out": True}},
+    )
+    result = run_ups("sweep", str(config), "--trials", "2", cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for trial in load(tmp_path).get_trials():
+        folds = []
+        for fold in (0, 1):
+            run_dir = tmp_path / "runs" / "sw" / f"trial-{trial.number}-fold-{fold}"
+            resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+            assert resolved["data"]["options"] == {"n": 128, "fold": fold, "folds": 2}
+            assert resolved["eval"]["options"] == {
+                "n": 128,
+                "held_out": True,
+                "fold": fold,
+                "folds": 2,
+            }
+            losses = evals(run_dir)
+            folds.append(losses[max(losses)])
+        assert trial.value == pytest.approx(sum(folds) / 2)
+        assert trial.intermediate_values == pytest.approx({0: folds[0], 1: sum(folds) / 2})
+
+
+INLINE = '''
+"""A launcher that runs a job to its end inside submit, and writes down every request."""
+import json
+import os
+import subprocess
+import sys
+
+from ups.core import LauncherPlugin, hookimpl
+
+
+class Inline:
+    def __init__(self):
+        self.codes = {}
+
+    def submit(self, request):
+        with open(os.environ["INLINE_REQUESTS"], "a") as file:
+            file.write(json.dumps([request.nproc_per_node, list(request.overrides)]) + "\\n")
+        overrides = [arg for item in request.overrides for arg in ("-o", item)]
+        command = [sys.executable, "-m", "ups.core", "train", str(request.config)]
+        command += ["--nproc", str(request.nproc_per_node), *overrides]
+        handle = str(len(self.codes))
+        self.codes[handle] = subprocess.run(command, check=False).returncode
+        return handle
+
+    def status(self, handle):
+        return "SUCCEEDED" if self.codes[handle] == 0 else "FAILED"
+
+
+@hookimpl
+def ups_launchers():
+    return [LauncherPlugin(name="inline", factory=lambda options: Inline())]
+'''
+
+
+def test_trials_run_through_a_launcher_plugin_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site, "ups-inline", "ups_inline", INLINE)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("INLINE_REQUESTS", str(tmp_path / "requests.jsonl"))
+    space = {"training.lr": {"low": 0.01, "high": 0.3}}
+    config = project(tmp_path, {"params": space, "objective": {"kind": "train"}})
+    result = run_ups(
+        "sweep", str(config), "--trials", "1", "--launcher", "inline", cwd=tmp_path, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    requests = (tmp_path / "requests.jsonl").read_text().splitlines()
+    assert [json.loads(r) for r in requests] == [[2, ["run.name=trial-0"]]]
+    (trial,) = load(tmp_path).get_trials()
+    lines = (tmp_path / "runs" / "sw" / "trial-0" / "metrics.jsonl").read_text().splitlines()
+    losses = {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+    # scored by the training loss: its last report, every report passed on by rank 0 (the
+    # launcher's processes inherit the sweep's environment)
+    assert (trial.state, trial.value) == (COMPLETE, losses[4])
+    assert trial.intermediate_values == losses
+
+
+def test_a_failed_trial_stops_the_sweep_in_one_line_naming_its_run_folder(
+    tmp_path: Path,
+) -> None:
+    space = {"training.optimizer": {"choices": ["no_such_optimizer"]}}
+    config = project(tmp_path, {"params": space})
+    result = run_ups("sweep", str(config), "--trials", "2", cwd=tmp_path)
+    assert result.returncode == 1
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"ups: error: trial 0 ({tmp_path / 'runs' / 'sw' / 'trial-0'}): ")
+    # the first rank to fail, its error in one line
+    assert "rank 0 failed: ConfigError: training.optimizer: unknown 'no_such_optimizer'" in line
+    assert [t.state for t in load(tmp_path).get_trials()] == [FAIL]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = run_ups("sweep", str(project(tmp_path, {"params": SPACE})), "--trials", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "ups: error: --trials must be >= 1, not 0"
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("sweep_section", "launcher", "message"),
+    [
+        (
+            {"params": {"training.lrr": {"low": 0.1, "high": 0.2}}},
+            None,
+            "training.lrr: unknown key; allowed: ",
+        ),
+        (
+            {"params": {"training.lr": {"low": 0.3, "high": 0.2}}},
+            None,
+            "sweep.params.training.lr: low (0.3) is above high (0.2)",
+        ),
+        (
+            {"params": {"training.lr": {"low": 0.0, "high": 0.2, "log": True}}},
+            None,
+            "sweep.params.training.lr: a log scale needs low > 0 and no step",
+        ),
+        (
+            {"params": SPACE, "objective": {"kind": "val"}},
+            None,
+            "sweep.objective.kind: 'val' is not one of eval, train",
+        ),
+        ({"params": SPACE}, "nope", "--launcher: unknown launcher 'nope'"),
+    ],
+)
+def test_a_mistake_is_a_usage_error_naming_its_key_before_any_trial(
+    tmp_path: Path, sweep_section: dict[str, Any], launcher: str | None, message: str
+) -> None:
+    with pytest.raises(UsageError, match=re.escape(message)):
+        sweep(project(tmp_path, sweep_section), trials=1, launcher=launcher)
+    assert not (tmp_path / "runs" / "sw" / "study.db").exists()
+
+
+def test_the_sweep_command_is_registered() -> None:
+    assert load_plugins(env={}).records("command")["sweep"].plugin == "optuna"

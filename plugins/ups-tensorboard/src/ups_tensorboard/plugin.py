@@ -1,0 +1,103 @@
+"""The ``tensorboard`` plugin: a logger through the lifecycle hooks.
+
+Rank 0 alone writes, into one TensorBoard run per training run, ``RUN_DIR/tensorboard``: every
+training report (``ups_step_end``) and every evaluation (``ups_eval_end``) as scalars at their
+optimizer step. The tags group them:
+
+- ``train/NAME``: the training loss, the loss of each task (``train/loss/TASK``), ``lr``, ...
+- ``comm/NAME``: the bytes of gradient communication per step (``comm_bytes``,
+  ``allreduce_bytes``) and their ratio;
+- ``throughput/NAME``: ``samples_per_s``, ``tokens_per_s``, ``tflops``, ``mfu``, ``step_time_s``;
+- ``eval/NAME``: the evaluation's loss and each task's.
+
+Installing the distribution enables it for every run; ``UPS_BLOCK_PLUGINS=tensorboard``
+disables it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+import structlog
+from torch.utils.tensorboard import SummaryWriter
+
+from ups.core import Config, RunContext, TrainResult, hookimpl
+
+log = structlog.get_logger()
+
+GROUPS: Mapping[str, str] = {
+    "comm_bytes": "comm",
+    "allreduce_bytes": "comm",
+    "comm_ratio": "comm",
+    "samples_per_s": "throughput",
+    "tokens_per_s": "throughput",
+    "tflops": "throughput",
+    "mfu": "throughput",
+    "step_time_s": "throughput",
+}
+"""The training metrics shown under a group of their own, not ``train/``."""
+
+
+def tag(kind: Literal["train", "eval"], name: str) -> str:
+    """The TensorBoard tag of metric ``name`` of a training report or an evaluation."""
+    return f"{GROUPS.get(name, 'train')}/{name}" if kind == "train" else f"eval/{name}"
+
+
+class TensorBoardLogger:
+    """Rank 0's writer for one run; on the other ranks every method does nothing."""
+
+    def __init__(self) -> None:
+        self.writer: SummaryWriter | None = None
+
+    def start(self, ctx: RunContext, folder: Path) -> None:
+        """Open the run's event file in ``folder`` (rank 0)."""
+        if ctx.is_main:
+            self.writer = SummaryWriter(log_dir=str(folder))
+            log.info("tensorboard", logdir=str(folder))
+
+    def scalars(
+        self, kind: Literal["train", "eval"], step: int, metrics: Mapping[str, float]
+    ) -> None:
+        """Write one report's metrics at ``step``; NaN (a loss not measured) is left out."""
+        if self.writer is None:
+            return
+        for name, value in metrics.items():
+            if not math.isnan(value):
+                self.writer.add_scalar(tag(kind, name), value, global_step=step)
+
+    def close(self) -> None:
+        """Flush and close the event file, if open."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+_logger = TensorBoardLogger()
+
+
+@hookimpl
+def ups_run_start(ctx: RunContext, config: Config) -> None:
+    _logger.start(ctx, config.run_dir / "tensorboard")
+
+
+@hookimpl
+def ups_step_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> None:
+    _logger.scalars("train", step, metrics)
+
+
+@hookimpl
+def ups_eval_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> None:
+    _logger.scalars("eval", step, metrics)
+
+
+@hookimpl
+def ups_run_end(ctx: RunContext, result: TrainResult) -> None:
+    _logger.close()
+
+
+@hookimpl
+def ups_error(ctx: RunContext, error: BaseException) -> None:
+    _logger.close()

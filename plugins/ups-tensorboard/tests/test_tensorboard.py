@@ -1,0 +1,87 @@
+"""Rank 0 writes one TensorBoard run per training run; read back from its event files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import TensorDataset
+
+from ups.core import Config, RunContext, load_config, load_plugins
+from ups.core.engine import train
+from ups.core.testing import run_ranks
+from ups_tensorboard import plugin, tag
+
+NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
+def make_data(n: int = 64) -> TensorDataset:
+    """Two tasks, alternating: the target is the sum of the inputs, or its negation."""
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+    task = torch.arange(n) % 2
+    return TensorDataset(x, x.sum(dim=1, keepdim=True) * (1 - 2 * task[:, None]), task)
+
+
+def _train(ctx: RunContext, config: Config) -> int:
+    registry = load_plugins(extra=[("tensorboard", plugin)], env=NO_AUTOLOAD)
+    return train(config, ctx, registry).steps
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run of 4 steps on 2 ranks, reporting and evaluating every 2 steps."""
+    tmp_path = tmp_path_factory.mktemp("tb")
+    (tmp_path / "run.yaml").write_text(
+        f"""
+        run: {{name: tb, output_dir: {tmp_path}, log_every: 2}}
+        model: {{factory: "torch.nn:Linear", options: {{in_features: 4, out_features: 1}}}}
+        data: {{factory: "{__file__}:make_data", tasks: [plus, minus]}}
+        eval: {{factory: "{__file__}:make_data", options: {{n: 16}}, every_steps: 2}}
+        training: {{batch_size: 8}}
+        """
+    )
+    config = load_config(tmp_path / "run.yaml")
+    assert run_ranks(_train, 2, config) == [4, 4]  # 64 samples, 32 a rank, batches of 8
+    return config.run_dir
+
+
+def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {
+        name: [(e.step, e.value) for e in events.Scalars(name)] for name in events.Tags()["scalars"]
+    }
+
+
+def test_rank_0_writes_one_run(run_dir: Path) -> None:
+    files = list((run_dir / "tensorboard").iterdir())
+    assert len(files) == 1
+    assert files[0].name.startswith("events.out.tfevents.")
+
+
+def test_every_report_per_task_with_bytes_and_throughput(run_dir: Path) -> None:
+    found = scalars(run_dir / "tensorboard")
+    reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in reports if r["kind"] == "train"]
+    evals = [r for r in reports if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [2, 4]
+    for name in ("loss", "loss/plus", "loss/minus", "comm_bytes", "allreduce_bytes"):
+        assert found[tag("train", name)] == [
+            (r["step"], pytest.approx(r[name], rel=1e-6)) for r in train
+        ], name
+    assert tag("train", "loss/plus") == "train/loss/plus"
+    assert tag("train", "comm_bytes") == "comm/comm_bytes"
+    # a Linear(4, 1) in float32: 5 gradients of 4 bytes all-reduced per step
+    assert [value for _, value in found["comm/allreduce_bytes"]] == [20.0, 20.0]
+    assert all(value > 0 for _, value in found["throughput/samples_per_s"])
+    assert found["eval/loss/minus"] == [
+        (r["step"], pytest.approx(r["loss/minus"], rel=1e-6)) for r in evals
+    ]
+
+
+def test_the_installed_entry_point_is_found() -> None:
+    registry = load_plugins(env={})
+    assert any(p.name == "tensorboard" and p.status == "enabled" for p in registry.plugins)

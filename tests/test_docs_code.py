@@ -1,0 +1,190 @@
+"""Every fenced code block of ``docs/*.md`` runs in a test, is checked, or says why not.
+
+What each block gets, by its language:
+
+- ``python``: run, in a fresh namespace, in a folder holding the tiny project of
+  ``ups.core.testing.tiny_project`` (``run.yaml``, ``tiny.py``). A signature (a one-line
+  ``def name(...) -> T``, or a ``class P(Protocol):`` of such lines) is instead compared with
+  the real one: a hook of ``ups.core.hookspecs``, a name ``ups.core`` exports, a protocol of
+  ``ups.core.records``.
+- ``yaml``: read with ``ups.core.read_yaml`` and built into a ``Config`` (on a minimal
+  ``model``/``data`` when the block has none), so every key and value is checked; a ``sweep``
+  section through ``ups_optuna.parse_sweep``; the options of a plugin section through the
+  installed plugin (``Registry.select``).
+- ``toml``, ``json``: parsed.
+- ``bash``, ``console``: each command is checked: ``ups`` command lines are parsed by the
+  ``ups`` parser itself, a ``nox -s`` session must exist, a ``./path`` must exist.
+- ``text``: output and diagrams, not code.
+
+A block can instead say, in an HTML comment on the line before its fence, either
+``<!-- not-run: REASON -->`` (skipped, with the reason in the report) or
+``<!-- file: PATH -->`` (the block is the file ``PATH`` of the repository, line for line; that
+file is tested where it lives). Checks that need a distribution that is not installed are
+skipped naming it; nox's ``test-plugins`` session installs them all.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shlex
+from pathlib import Path
+
+import attrs
+import pytest
+import tomllib
+from test_docs_hooks import protocol_lines, render
+
+import ups.core
+from ups.core import config_from_mapping, hookspecs, load_plugins, read_yaml, records
+from ups.core.cli import _COMMANDS, _parser
+from ups.core.testing import tiny_project
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+BLOCK = re.compile(
+    r"(?:^<!-- (not-run|file): (.+?) -->\n)?^( *)```(\w*)\n(.*?)^\3```$", re.MULTILINE | re.DOTALL
+)
+SIGNATURE = re.compile(r"def (\w+)\(.*\) -> .+")
+MINIMAL = {"model": {"factory": "torch.nn:Identity"}, "data": {"factory": "tiny.py:build_dataset"}}
+SECTIONS = {"sampler": "sampler", "comm_hook": "comm_hook", "checkpoint": "checkpoint"}
+NOXFILE = (ROOT / "noxfile.py").read_text(encoding="utf-8")
+NOX_SESSIONS = set(re.findall(r'@nox\.session\([^)]*name="([^"]+)"', NOXFILE)) | set(
+    re.findall(r"@nox\.session(?:\((?:(?!name=)[^)])*\))?\ndef (\w+)\(", NOXFILE)
+)
+"""The sessions ``noxfile.py`` declares, by name (nox itself is not installed in the tests')."""
+
+
+@attrs.frozen
+class Block:
+    page: str
+    line: int
+    language: str
+    text: str
+    marker: str | None
+    argument: str | None
+
+    def __str__(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def blocks() -> list[Block]:
+    found = []
+    for page in DOCS:
+        source = page.read_text(encoding="utf-8")
+        for match in BLOCK.finditer(source):
+            marker, argument, indent, language, body = match.groups()
+            text = "\n".join(line[len(indent) :] for line in body.splitlines()) + "\n"
+            line = source.count("\n", 0, match.start(3)) + 1
+            found.append(Block(page.name, line, language, text, marker, argument))
+    return found
+
+
+BLOCKS = blocks()
+
+
+def test_the_docs_have_blocks_of_every_kind() -> None:
+    kinds = {b.language for b in BLOCKS} | {b.marker for b in BLOCKS}
+    assert {"python", "yaml", "bash", "console", "toml", "json", "not-run", "file"} <= kinds
+
+
+def run_python(block: Block, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = [line for line in block.text.splitlines() if line.strip()]
+    signature = SIGNATURE.fullmatch(lines[0]) if len(lines) == 1 else None
+    if signature:
+        name = signature.group(1)
+        real = getattr(hookspecs, name, None) or getattr(ups.core, name, None)
+        assert real is not None, f"{block}: {name} is neither a hook nor exported by ups.core"
+        assert lines[0] == render(name, real), (
+            f"{block}: the signature of {name} is not\n{lines[0]}"
+        )
+        return
+    protocol = re.fullmatch(r"class (\w+)\(Protocol\):", lines[0]) if lines else None
+    if protocol:
+        expected = protocol_lines(getattr(records, protocol.group(1)))
+        assert lines == expected, f"{block}: the protocol is\n" + "\n".join(expected)
+        return
+    tiny_project(folder)
+    monkeypatch.chdir(folder)
+    code = compile(block.text, str(block), "exec", flags=ast.PyCF_ONLY_AST)
+    exec(compile(code, str(block), "exec"), {"__name__": f"docs_{block.page}"})
+
+
+def check_yaml(block: Block, folder: Path) -> None:
+    data = read_yaml(block.text)
+    assert isinstance(data, dict), f"{block}: not a mapping of config sections"
+    sweep = data.pop("sweep", None)
+    if sweep is not None:
+        optuna = pytest.importorskip("ups_optuna", reason="the sweep section needs ups-optuna")
+        optuna.parse_sweep(sweep)
+    tiny_project(folder)
+    config = config_from_mapping({**MINIMAL, **data}, base_dir=folder)
+    registry = load_plugins()
+    for section in data.keys() & {*SECTIONS, "launch"}:
+        choice = getattr(config, section)
+        if choice.name is None:  # launch: {name: null}
+            continue
+        family = "launcher" if section == "launch" else section
+        if choice.name not in registry.records(family):
+            pytest.skip(f"{block}: {section} {choice.name!r} is not installed")
+        registry.select(family, choice.name, choice.options, section)
+
+
+def check_command(block: Block, command: str) -> None:
+    words = shlex.split(command, comments=True)
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):  # VAR=value command
+        words.pop(0)
+    if words[:1] in (["srun"], ["sudo"]):
+        words.pop(0)
+    if not words:
+        return
+    if words[0] == "ups":
+        args = words[1:]
+        if args and args[0] not in _COMMANDS:
+            names = load_plugins().records("command")
+            if args[0] not in names:
+                pytest.skip(
+                    f"{block}: the command 'ups {args[0]}' comes from a plugin not installed"
+                )
+        _parser(args).parse_args(args)
+    elif words[0] == "nox" and "-s" in words:
+        session = words[words.index("-s") + 1]
+        assert session in NOX_SESSIONS, f"{block}: no nox session {session!r}"
+    for word in words:
+        if word.startswith("./"):
+            assert (ROOT / word).exists(), f"{block}: {word} does not exist"
+
+
+def commands(block: Block) -> list[str]:
+    """The commands of a shell block: a console block's ``$`` lines, every line of a bash block,
+    continuation lines joined."""
+    text = block.text.replace("\\\n", " ")
+    if block.language == "console":
+        return [line[2:] for line in text.splitlines() if line.startswith("$ ")]
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_block(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if block.marker == "not-run":
+        assert len(block.argument or "") > 10, f"{block}: say why it is not run"
+        pytest.skip(f"not run: {block.argument}")
+    if block.marker == "file":
+        assert block.text == (ROOT / (block.argument or "")).read_text(encoding="utf-8"), (
+            f"{block} differs from {block.argument}"
+        )
+        return
+    if block.language == "python":
+        run_python(block, tmp_path, monkeypatch)
+    elif block.language == "yaml":
+        check_yaml(block, tmp_path)
+    elif block.language == "toml":
+        tomllib.loads(block.text)
+    elif block.language == "json":
+        json.loads(block.text)
+    elif block.language in ("bash", "console"):
+        for command in commands(block):
+            check_command(block, command)
+    else:
+        assert block.language == "text", f"{block}: a block of {block.language or 'no language'}"
