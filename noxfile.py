@@ -1,8 +1,8 @@
 """Test, lint and type-check sessions for the ups monorepo.
 
 ``nox`` runs them all: one session per distribution (it installs that distribution and what it
-declares, then runs its own tests), the cross-package tests, lint, type-check, and a summary of
-every test run. torch is pinned to the release CI uses; users' ranges stay open.
+declares, then runs its own tests), the cross-package tests and type-check, lint, the plugins
+and the docs, and a summary of every test run. torch is pinned to the release CI uses; users' ranges stay open.
 
 A session that passes deletes its virtualenv (each holds its own torch, about 1.2 GB, and
 sessions are not reused by default); set ``UPS_KEEP_VENVS=1`` to keep them, e.g. for ``nox -r``.
@@ -42,7 +42,6 @@ nox.options.sessions = [
     *(f"test-{p}" for p in PACKAGES),
     "integration",
     "lint",
-    "typecheck",
     "test-plugins",
     "summary",
 ]
@@ -114,9 +113,13 @@ for _short in PACKAGES:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """Every distribution together: end-to-end runs of the CLI, the example, third-party plugins."""
+    """Every distribution together: end-to-end runs of the CLI, the example, third-party
+    plugins (the docs' tests, which need the plugins of plugins/ too, run in ``test-plugins``);
+    then mypy --strict over every distribution's sources, in the same environment."""
     install(session, *PACKAGES)
-    pytest(session, "integration", "tests")
+    pytest(session, "integration", "tests", *(f"--ignore={t}" for t in DOCS_TESTS))
+    session.install(TOOLS["mypy"], "types-PyYAML", "types-tqdm")
+    session.run("mypy", *(f"packages/{d}/src" for d in PACKAGES.values()))
     discard(session)
 
 
@@ -149,15 +152,6 @@ def lint(session: nox.Session) -> None:
     session.install(TOOLS["ruff"])
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    discard(session)
-
-
-@nox.session
-def typecheck(session: nox.Session) -> None:
-    """mypy --strict over every distribution's sources."""
-    install(session, *PACKAGES)
-    session.install(TOOLS["mypy"], "types-PyYAML", "types-tqdm")
-    session.run("mypy", *(f"packages/{d}/src" for d in PACKAGES.values()))
     discard(session)
 
 
