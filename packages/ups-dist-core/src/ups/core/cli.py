@@ -37,6 +37,8 @@ from .records import Launcher, LaunchRequest
 from .validate import validate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_PREEMPTED = 75
+"""A preemption signal stopped the run, every rank saved: resumable (sysexits' EX_TEMPFAIL)."""
 T = TypeVar("T")
 
 
@@ -72,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="resume although KEY changed since the checkpoint: seed, accumulation_steps or "
         "dataset (repeatable; checkpoint.allow_changed)",
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="N",
+        help="restart every rank after one fails, N times at most, resuming from the newest "
+        "checkpoint (distributed.max_restarts)",
     )
     _overrides(train)
 
@@ -183,13 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
         return EXIT_USAGE if usage else EXIT_FAILED
     except SignalException as error:
-        # The agent was signalled (SLURM, a spot instance, kill): it passed the signal on to
-        # the ranks, which saved at their next step boundary and stopped (preempt_signals).
-        print(
-            f"ups: stopped by {signal.Signals(error.sigval).name}: the ranks saved where they "
-            "stopped; resume with -o checkpoint.resume=latest",
-            file=sys.stderr,
-        )
+        # The agent was signalled with a signal ranks do not save on: it passed it on to them.
+        print(f"ups: stopped by {signal.Signals(error.sigval).name}", file=sys.stderr)
         return 128 + error.sigval
     except KeyboardInterrupt:
         return 130
@@ -200,16 +204,53 @@ def _train(args: argparse.Namespace) -> int:
         args.override.append(f"run.profile_steps={args.profile}")
     if args.allow_changed:
         args.override.append(f"checkpoint.allow_changed=[{', '.join(args.allow_changed)}]")
+    if args.max_restarts is not None:
+        args.override.append(f"distributed.max_restarts={args.max_restarts}")
     config = load_config(args.config, args.override)
     nproc = args.nproc or config.distributed.nproc
     if not launched():
         _check(config, load_plugins(), nproc)
         if nproc > 1:
-            launch.torchrun(args.config, nproc, args.override)
-            return EXIT_OK
+            return _train_on_processes(args, config, nproc)
     # record: a launched rank's error goes to the file its elastic agent reads it from.
-    record(launch.train_in_place)(config)
+    result = record(launch.train_in_place)(config)
+    assert result is not None  # record returns what it wraps returns, or raises
+    return EXIT_PREEMPTED if result.preempted else EXIT_OK
+
+
+def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) -> int:
+    """``ups train --nproc N``: the elastic agent over N ranks; a preemption signal to the agent
+    goes on to the ranks (torch's agent forwards SIGTERM and SIGINT; ups adds the other
+    ``preempt_signals``), and a run whose ranks saved and stopped exits with
+    :data:`EXIT_PREEMPTED`."""
+    preempt = {signal.Signals[name] for name in config.checkpoint.preempt_signals}
+    previous = {sig: signal.signal(sig, _raise_signal_exception) for sig in preempt}
+    resume = "resume with -o checkpoint.resume=latest"
+    try:
+        launch.torchrun(args.config, nproc, args.override, config.distributed.max_restarts)
+    except SignalException as error:
+        if error.sigval not in preempt:
+            raise
+        name = signal.Signals(error.sigval).name
+        print(
+            f"ups: preempted by {name}: the ranks saved where they stopped; {resume}",
+            file=sys.stderr,
+        )
+        return EXIT_PREEMPTED
+    except ChildFailedError as error:
+        if any(f.exitcode != EXIT_PREEMPTED for f in error.failures.values()):
+            raise
+        print(f"ups: preempted: the ranks saved where they stopped; {resume}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return EXIT_OK
+
+
+def _raise_signal_exception(signum: int, _frame: object) -> None:
+    """What torch's agent does on SIGTERM: raise, so that it passes the signal to the ranks."""
+    raise SignalException(f"ups got signal {signum}", sigval=signal.Signals(signum))
 
 
 def _tune(args: argparse.Namespace) -> int:
