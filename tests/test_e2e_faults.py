@@ -199,7 +199,7 @@ def test_a_rank_asleep_in_a_step_stops_every_rank_within_the_timeout_naming_it(
     elapsed = time.monotonic() - started
     assert done.returncode == 1, done.stderr[-3000:]
     assert "rank 1 stopped answering" in done.stderr, done.stderr[-3000:]
-    assert "rank 1 is in its forward pass of step 3" in done.stderr
+    assert "rank 1 is in the forward pass of step 3" in done.stderr
     assert elapsed < timeout_s + 30, f"took {elapsed:.0f} s"
     for pid in (int(p.name) for p in pids.iterdir()):
         with pytest.raises(ProcessLookupError):

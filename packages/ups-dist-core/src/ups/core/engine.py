@@ -208,12 +208,12 @@ class Run:
         self.restarted = all_max(ctx, ctx.restart_count)
         """How many times the launcher restarted the job (the largest count of any rank: a
         node that joined afresh counts from 0)."""
-        self.faults = FaultInjector(ctx.rank, self.restarted)
-        if self.faults:  # in the model's forward: inside DDP's, after its own collectives
-            self.model.register_forward_pre_hook(lambda *_: self.faults.check(self.attempts))
         self.watchdog = Watchdog(ctx, key=str(self.restarted))
         self.model.register_forward_pre_hook(lambda *_: self.watchdog.mark(self.attempts, FORWARD))
         self.model.register_forward_hook(lambda *_: self.watchdog.mark(self.attempts, FORWARD_DONE))
+        self.faults = FaultInjector(ctx.rank, self.restarted)
+        if self.faults:  # in the model's forward: inside DDP's, after its own collectives
+            self.model.register_forward_pre_hook(lambda *_: self.faults.check(self.attempts))
         self.oom_skipped = self.oom_in_a_row = 0
         self.agree = t.skip_oom
         if self.agree == "auto":

@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+import typing
 from collections.abc import Sequence
 
 import structlog
@@ -43,7 +44,7 @@ Mark = tuple[int, int]
 """Where a rank is: ``(attempted step, phase)``; later marks compare greater."""
 STARTED, FORWARD, FORWARD_DONE, DONE = range(4)
 """The phases of a step."""
-PHASES = ("starting", "in its forward pass", "after its forward pass", "at the step's end")
+PHASES = ("at the start of", "in the forward pass of", "after the forward pass of", "at the end of")
 
 
 class HangError(RuntimeError):
@@ -64,12 +65,12 @@ def verdict(marks: Sequence[Mark | None], timeout_s: float) -> str | None:
         if mark is None:
             where.append(f"rank {rank} did not answer (its process or host is gone)")
         else:
-            where.append(f"rank {rank} is {PHASES[mark[1]]} of step {mark[0]}")
+            where.append(f"rank {rank} is {PHASES[mark[1]]} step {mark[0]}")
     waiting = [rank for rank, mark in enumerate(marks) if mark == ahead]
     return (
         f"rank {', '.join(map(str, silent))} stopped answering: no progress for {timeout_s:g} s "
         f"(distributed.timeout_s); {'; '.join(where)}, while rank "
-        f"{', '.join(map(str, waiting))} waited {PHASES[ahead[1]]} of step {ahead[0]}"
+        f"{', '.join(map(str, waiting))} waited {PHASES[ahead[1]]} step {ahead[0]}"
     )
 
 
@@ -113,11 +114,19 @@ class Watchdog:
         while not self._stop.wait(poll):
             if time.monotonic() - self._moved < self.timeout_s:
                 continue
+            store = dist.distributed_c10d.PrefixStore(
+                f"ups/watchdog/{self._key}/{self._round}",
+                dist.distributed_c10d._get_default_store(),
+            )
+            self._round += 1
             try:
-                message = verdict(self._exchange(), self.timeout_s)
+                marks = self._exchange(store)
             except RuntimeError as error:  # the store's host (rank 0, or the agent) is gone
-                message = f"the job's key-value store stopped answering ({error})"
+                self._fail(f"the job's key-value store stopped answering ({error})")
+            message = verdict(marks, self.timeout_s)
             if message is not None:
+                if self.ctx.is_main:  # it may host the store: the others read first
+                    self._wait(store, [f"read/{r}" for r, m in enumerate(marks) if m is not None])
                 self._fail(message)
             if self.ctx.is_main:
                 log.warning(
@@ -127,17 +136,12 @@ class Watchdog:
                 )
             self._moved = time.monotonic()
 
-    def _exchange(self) -> list[Mark | None]:
+    def _exchange(self, store: dist.distributed_c10d.Store) -> list[Mark | None]:
         """Post this rank's mark and read every rank's, waiting up to the answer time."""
-        store = dist.distributed_c10d.PrefixStore(
-            f"ups/watchdog/{self._key}/{self._round}", dist.distributed_c10d._get_default_store()
-        )
-        self._round += 1
         step, phase = self._mark
         store.set(str(self.ctx.rank), f"{step} {phase}")
         keys = [str(rank) for rank in range(self.ctx.world_size)]
-        with contextlib.suppress(dist.DistStoreError):  # a rank that never answers: None
-            store.wait(keys, datetime.timedelta(seconds=self._answer_s))
+        self._wait(store, keys)
         marks: list[Mark | None] = []
         for key in keys:
             if store.check([key]):
@@ -145,9 +149,15 @@ class Watchdog:
                 marks.append((step, phase))
             else:
                 marks.append(None)
+        store.set(f"read/{self.ctx.rank}", "")
         return marks
 
-    def _fail(self, message: str) -> None:
+    def _wait(self, store: dist.distributed_c10d.Store, keys: list[str]) -> None:
+        """Wait for ``keys``, up to the answer time (a rank that never answers: not there)."""
+        with contextlib.suppress(dist.DistStoreError):
+            store.wait(keys, datetime.timedelta(seconds=self._answer_s))
+
+    def _fail(self, message: str) -> typing.NoReturn:
         """Log the verdict, leave it where the elastic agent reads this rank's error, exit."""
         log.error("ranks stopped answering", error=message, rank=self.ctx.rank)
         ErrorHandler().record_exception(HangError(message))
