@@ -175,8 +175,8 @@ def test_a_sigterm_to_a_worker_saves_at_the_next_step_and_the_resumed_run_ends_e
         os.kill(worker, signal.SIGTERM)
         _, err = process.communicate(timeout=60)
     assert process.returncode == EXIT_PREEMPTED, err[-3000:]
-    assert "ups: preempted: the ranks saved where they stopped" in err
     stopped = events(config, "preempted: saving and stopping")[0]["step"]
+    assert f"ups: preempted: the ranks saved at step {stopped}; resume with" in err
     assert 0 < stopped < STEPS
     assert final(config)["step"] == stopped
     done = ups_train(config, "-o", "checkpoint.resume=latest")

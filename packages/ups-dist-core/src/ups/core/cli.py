@@ -8,6 +8,8 @@ Usage errors (bad config, unknown plugin, missing file) print one line and exit 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
 import time
@@ -34,6 +36,7 @@ from .launch_record import (
 )
 from .plugins import FAMILIES, Registry, load_plugins
 from .records import Launcher, LaunchRequest
+from .rundir import PREEMPTED
 from .validate import validate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -215,37 +218,40 @@ def _train(args: argparse.Namespace) -> int:
     # record: a launched rank's error goes to the file its elastic agent reads it from.
     result = record(launch.train_in_place)(config)
     assert result is not None  # record returns what it wraps returns, or raises
-    return EXIT_PREEMPTED if result.preempted else EXIT_OK
+    # Under an elastic agent a rank exits 0, else the agent would restart it; the agent's
+    # process (ups train --nproc) tells the preemption.
+    agent = "TORCHELASTIC_RUN_ID" in os.environ
+    return EXIT_PREEMPTED if result.preempted and not agent else EXIT_OK
 
 
 def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) -> int:
-    """``ups train --nproc N``: the elastic agent over N ranks; a preemption signal to the agent
+    """``ups train --nproc N``: the elastic agent over N ranks. A preemption signal to the agent
     goes on to the ranks (torch's agent forwards SIGTERM and SIGINT; ups adds the other
-    ``preempt_signals``), and a run whose ranks saved and stopped exits with
+    ``preempt_signals``); a run whose ranks saved and stopped for one (they exit 0, so that the
+    agent does not restart them, and rank 0 leaves ``preempted.json``) exits with
     :data:`EXIT_PREEMPTED`."""
     preempt = {signal.Signals[name] for name in config.checkpoint.preempt_signals}
     previous = {sig: signal.signal(sig, _raise_signal_exception) for sig in preempt}
-    resume = "resume with -o checkpoint.resume=latest"
+    record = config.run_dir / PREEMPTED
+    how = ""
     try:
         launch.torchrun(args.config, nproc, args.override, config.distributed.max_restarts)
     except SignalException as error:
-        if error.sigval not in preempt:
+        if error.sigval not in preempt or not record.is_file():
             raise
-        name = signal.Signals(error.sigval).name
-        print(
-            f"ups: preempted by {name}: the ranks saved where they stopped; {resume}",
-            file=sys.stderr,
-        )
-        return EXIT_PREEMPTED
-    except ChildFailedError as error:
-        if any(f.exitcode != EXIT_PREEMPTED for f in error.failures.values()):
-            raise
-        print(f"ups: preempted: the ranks saved where they stopped; {resume}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        how = f" by {signal.Signals(error.sigval).name}"
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return EXIT_OK
+    if not record.is_file():
+        return EXIT_OK
+    step = json.loads(record.read_text())["step"]
+    print(
+        f"ups: preempted{how}: the ranks saved at step {step}; resume with "
+        "-o checkpoint.resume=latest",
+        file=sys.stderr,
+    )
+    return EXIT_PREEMPTED
 
 
 def _raise_signal_exception(signum: int, _frame: object) -> None:

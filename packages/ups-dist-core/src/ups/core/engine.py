@@ -276,6 +276,8 @@ class Run:
         if self._saved_at != self.step:
             self._location = self._checkpoint()
         self.checkpointer.wait()
+        if preempted:
+            self.files.preempted(self.step)
         losses = tuple(r["loss"] for r in self.reports)
         log.info(
             "done",
