@@ -59,9 +59,9 @@ def check_in_sync(ctx: RunContext, config_digest: str, step: int, model: nn.Modu
             if a != b
         ]
         if what:
-            problems.append(f"rank {rank}'s {' and '.join(what)}")
+            problems.append(f"rank {rank} in its {' and '.join(what)}")
     if problems:
         raise DesyncError(
-            f"step {step}: {', '.join(problems)} differ from rank 0's (ranks out of sync: "
-            "restart them from one checkpoint, with one config)"
+            f"step {step}: ranks out of sync with rank 0: {'; '.join(problems)} (restart them "
+            "from one checkpoint, with one config)"
         )

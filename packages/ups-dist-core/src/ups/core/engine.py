@@ -211,7 +211,7 @@ class Run:
         self.watchdog = Watchdog(ctx, key=str(self.restarted))
         self.model.register_forward_pre_hook(lambda *_: self.watchdog.mark(self.attempts, FORWARD))
         self.model.register_forward_hook(lambda *_: self.watchdog.mark(self.attempts, FORWARD_DONE))
-        self.faults = FaultInjector(ctx.rank, self.restarted)
+        self.faults = FaultInjector(ctx.rank, restart_count=self.restarted)
         if self.faults:  # in the model's forward: inside DDP's, after its own collectives
             self.model.register_forward_pre_hook(lambda *_: self.faults.check(self.attempts))
         self.oom_skipped = self.oom_in_a_row = 0

@@ -72,7 +72,7 @@ class FaultInjector:
     """This rank's share of the faults ``UPS_FAULTS`` asks for (none after a restart)."""
 
     def __init__(
-        self, rank: int, restart_count: int = 0, env: Mapping[str, str] = os.environ
+        self, rank: int, env: Mapping[str, str] = os.environ, *, restart_count: int = 0
     ) -> None:
         self.rank = rank
         faults = parse_faults(env.get(ENV, "")) if restart_count == 0 else ()

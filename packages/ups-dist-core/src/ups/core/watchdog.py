@@ -114,11 +114,7 @@ class Watchdog:
         while not self._stop.wait(poll):
             if time.monotonic() - self._moved < self.timeout_s:
                 continue
-            store = dist.distributed_c10d.PrefixStore(
-                f"ups/watchdog/{self._key}/{self._round}",
-                dist.distributed_c10d._get_default_store(),
-            )
-            self._round += 1
+            store = self.store()
             try:
                 marks = self._exchange(store)
             except RuntimeError as error:  # the store's host (rank 0, or the agent) is gone
@@ -135,6 +131,14 @@ class Watchdog:
                     step=self._mark[0],
                 )
             self._moved = time.monotonic()
+
+    def store(self) -> dist.distributed_c10d.Store:
+        """The job's store, under a prefix of its own for this exchange (the next call: the
+        next exchange's)."""
+        self._round += 1
+        return dist.distributed_c10d.PrefixStore(
+            f"ups/watchdog/{self._key}/{self._round}", dist.distributed_c10d._get_default_store()
+        )
 
     def _exchange(self, store: dist.distributed_c10d.Store) -> list[Mark | None]:
         """Post this rank's mark and read every rank's, waiting up to the answer time."""
