@@ -58,5 +58,5 @@ def test_a_diverged_rank_is_named_on_every_rank() -> None:
     )
     assert run_ranks(check, 2, "parameters") == [expected, expected]
     assert run_ranks(check, 2, "config")[0].startswith(
-        "step 3: rank 1's config differ from rank 0's"
+        "step 3: ranks out of sync with rank 0: rank 1 in its config ("
     )
