@@ -40,8 +40,7 @@ def exchange(ctx: RunContext, marks: list[Mark]) -> list[Mark | None]:
     if ctx.rank >= len(marks):
         return []
     watchdog.mark(*marks[ctx.rank])
-    store = watchdog.store()
-    return watchdog._exchange(store)
+    return watchdog.exchange(watchdog.store())
 
 
 def test_every_rank_reads_every_ranks_mark_from_the_store() -> None:

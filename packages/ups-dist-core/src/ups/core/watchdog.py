@@ -7,8 +7,8 @@ all. So each rank marks its progress through a step (started, forward begun, for
 done: a tuple of two ints, no I/O), and a thread of its own notices when the mark has not moved
 for ``timeout_s``. It then posts the mark to the job's key-value store (the process group's
 TCPStore, which works under every backend) and waits, up to half of the grace
-(:func:`~ups.core.context.collective_timeout`), for the other ranks' marks, posted the same way
-by their own watchdogs, which fire too since they wait on the silent one:
+(:func:`~ups.core.context.collective_timeout`), for the other ranks' marks, posted by their own
+watchdogs, which look for such a request once a poll (one store lookup a second):
 
 - ranks whose mark is behind the others' (still in the forward pass while the others wait in
   the backward's all-reduce), or that post nothing (dead, or their host gone), are named;
@@ -44,6 +44,8 @@ Mark = tuple[int, int]
 """Where a rank is: ``(attempted step, phase)``; later marks compare greater."""
 STARTED, FORWARD, FORWARD_DONE, DONE = range(4)
 """The phases of a step."""
+ASKED = "asked"
+"""The key a stalled rank sets: every rank's watchdog then posts its mark, stalled or not."""
 PHASES = ("at the start of", "in the forward pass of", "after the forward pass of", "at the end of")
 
 
@@ -112,11 +114,12 @@ class Watchdog:
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
         while not self._stop.wait(poll):
-            if time.monotonic() - self._moved < self.timeout_s:
-                continue
             store = self.store()
-            try:
-                marks = self._exchange(store)
+            stalled = time.monotonic() - self._moved >= self.timeout_s
+            try:  # a rank whose mark moves answers when a stalled one asks
+                if not stalled and not store.check([ASKED]):
+                    continue
+                marks = self.exchange(store)
             except RuntimeError as error:  # the store's host (rank 0, or the agent) is gone
                 self._fail(f"the job's key-value store stopped answering ({error})")
             message = verdict(marks, self.timeout_s)
@@ -130,20 +133,22 @@ class Watchdog:
                     seconds=self.timeout_s,
                     step=self._mark[0],
                 )
+            self._round += 1
             self._moved = time.monotonic()
 
     def store(self) -> dist.distributed_c10d.Store:
-        """The job's store, under a prefix of its own for this exchange (the next call: the
-        next exchange's)."""
-        self._round += 1
+        """The job's store, under the prefix of the current exchange (every rank that takes
+        part in an exchange moves on to the next one's)."""
         return dist.distributed_c10d.PrefixStore(
             f"ups/watchdog/{self._key}/{self._round}", dist.distributed_c10d._get_default_store()
         )
 
-    def _exchange(self, store: dist.distributed_c10d.Store) -> list[Mark | None]:
-        """Post this rank's mark and read every rank's, waiting up to the answer time."""
+    def exchange(self, store: dist.distributed_c10d.Store) -> list[Mark | None]:
+        """Post this rank's mark (asking the others to post theirs) and read every rank's,
+        waiting up to the answer time; ``None`` for a rank that posted none."""
         step, phase = self._mark
         store.set(str(self.ctx.rank), f"{step} {phase}")
+        store.set(ASKED, "")
         keys = [str(rank) for rank in range(self.ctx.world_size)]
         self._wait(store, keys)
         marks: list[Mark | None] = []
