@@ -84,8 +84,8 @@ class FaultInjector:
         return bool(self._faults)
 
     def check(self, step: int) -> None:
-        """Raise the fault meant for this rank's ``step``-th attempted step, the first time
-        it is called for that step."""
+        """Fire the fault meant for this rank's ``step``-th attempted step (raise, SIGKILL this
+        process or sleep forever), the first time it is called for that step."""
         if step in self._fired:
             return
         for fault in self._faults:
@@ -103,8 +103,8 @@ class FaultInjector:
     @contextlib.contextmanager
     def saving(self, step: int) -> Iterator[None]:
         """Around the checkpoint save of optimizer step ``step``: with a ``kill_save`` fault for
-        it, the rank's first ``os.fsync`` in the save (its file written, not yet committed)
-        SIGKILLs the rank instead."""
+        it, the rank SIGKILLs itself right after its first ``os.fsync`` in the save (its file
+        written, the checkpoint not committed; a rank that writes nothing is not killed)."""
         if not any(f.kind == "kill_save" and step in f.steps for f in self._faults):
             yield
             return
