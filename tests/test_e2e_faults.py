@@ -67,10 +67,12 @@ def faults_project(folder: Path, backend: str = "simple", **options: Any) -> Pat
     )
 
 
-def ups_train(config: Path, *args: str, faults: str = "", timeout: float = 120) -> Any:
-    """``ups train CONFIG --nproc 2 ARGS`` with ``UPS_FAULTS=faults``, logging JSON."""
+def ups_train(
+    config: Path, *args: str, nproc: int = 2, faults: str = "", timeout: float = 120
+) -> Any:
+    """``ups train CONFIG --nproc NPROC ARGS`` with ``UPS_FAULTS=faults``, logging JSON."""
     env = {**os.environ, "UPS_LOG_FORMAT": "json", "UPS_FAULTS": faults}
-    command = [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2", *args]
+    command = [sys.executable, "-m", "ups.core", "train", str(config), f"--nproc={nproc}", *args]
     return subprocess.run(
         command, capture_output=True, text=True, env=env, timeout=timeout, check=False
     )
@@ -218,7 +220,7 @@ def test_a_run_started_on_2_ranks_and_resumed_on_1_sees_every_remaining_sample_o
     )
     assert ups_train(config).returncode == 0
     seen = ["-o", f"model.options.seen_dir={second}", "-o", "training.epochs=1"]
-    rest = ups_train(config, "--nproc", "1", "-o", "training.max_steps=null", *seen)
+    rest = ups_train(config, "-o", "training.max_steps=null", *seen, nproc=1)
     assert rest.returncode == 0, rest.stderr[-3000:]
 
     def values(folder: Path) -> list[str]:
