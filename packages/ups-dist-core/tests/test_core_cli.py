@@ -82,3 +82,9 @@ def test_train_on_one_process(project: Path) -> None:
     events = [json.loads(line) for line in result.stderr.splitlines()]
     assert events[-1]["event"] == "done" and events[-1]["steps"] == 4
     assert "rank" not in events[-1]  # one process: no rank field
+
+
+def test_max_restarts_sets_its_key_and_a_negative_one_is_a_usage_error(project: Path) -> None:
+    result = ups("train", str(project / "run.yaml"), "--max-restarts", "-1")
+    assert result.returncode == 2
+    assert "distributed.max_restarts: -1 is not allowed: must be >= 0" in result.stderr

@@ -142,3 +142,11 @@ def test_failed_init_falls_back_to_one_process_with_a_warning_on_auto() -> None:
         assert not ctx.distributed and ctx.world_size == 1
     assert logs[0]["event"] == "distributed init failed; running as a single process"
     assert logs[0]["rank"] == 1 and logs[0]["log_level"] == "warning"
+
+
+def test_the_restart_count_is_read_from_torchrun_or_a_requeued_slurm_job() -> None:
+    assert read_placement(torchrun_env(0, 2, 29500)).restart_count == 0
+    restarted = torchrun_env(0, 2, 29500) | {"TORCHELASTIC_RESTART_COUNT": "2"}
+    assert read_placement(restarted).restart_count == 2
+    requeued = slurm_env(1, 2, 0) | {"SLURM_RESTART_COUNT": "1"}
+    assert read_placement(requeued).restart_count == 1

@@ -3,6 +3,7 @@ out-of-memory step is skipped by all, any other error stops all, naming the rank
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,13 @@ def test_fault_specs_parse_and_bad_ones_name_the_item() -> None:
         Fault("oom", 1, frozenset({3, 4})),
         Fault("error", 0, frozenset({7})),
     )
-    with pytest.raises(UsageError, match=r"UPS_FAULTS: bad item 'kill@1:3'; expected KIND@RANK"):
-        parse_faults("oom@1:3;kill@1:3")
+    with pytest.raises(UsageError, match=r"UPS_FAULTS: bad item 'boom@1:3'; expected KIND@RANK"):
+        parse_faults("oom@1:3;boom@1:3")
+    assert parse_faults("kill@1:3;hang@0:2;kill_save@1:6") == (
+        Fault("kill", 1, frozenset({3})),
+        Fault("hang", 0, frozenset({2})),
+        Fault("kill_save", 1, frozenset({6})),
+    )
     with pytest.raises(UsageError, match="bad item 'oom@x:3'"):
         parse_faults("oom@x:3")
 
@@ -45,6 +51,14 @@ def test_an_injector_fires_only_on_its_rank_and_steps() -> None:
     assert not FaultInjector(2, env)
     with pytest.raises(RuntimeError, match="injected error .* on rank 0 at step 3"):
         FaultInjector(0, env).check(3)
+    FaultInjector(0, env, restart_count=1).check(3)  # a restarted job runs without faults
+
+
+def test_a_save_without_a_kill_save_fault_leaves_fsync_alone() -> None:
+    fsync = os.fsync
+    with FaultInjector(1, {ENV: "kill_save@1:6;kill_save@0:3"}).saving(3):
+        assert os.fsync is fsync
+    assert os.fsync is fsync
 
 
 @pytest.mark.slow

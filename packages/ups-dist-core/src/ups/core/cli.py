@@ -8,6 +8,8 @@ Usage errors (bad config, unknown plugin, missing file) print one line and exit 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
 import time
@@ -34,9 +36,12 @@ from .launch_record import (
 )
 from .plugins import FAMILIES, Registry, load_plugins
 from .records import CommandPlugin, Launcher, LaunchRequest
+from .rundir import PREEMPTED
 from .validate import validate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_PREEMPTED = 75
+"""A preemption signal stopped the run, every rank saved: resumable (sysexits' EX_TEMPFAIL)."""
 T = TypeVar("T")
 
 
@@ -72,6 +77,13 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         metavar="KEY",
         help="resume although KEY changed since the checkpoint: seed, accumulation_steps or "
         "dataset (repeatable; checkpoint.allow_changed)",
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="N",
+        help="restart every rank after one fails, N times at most, resuming from the newest "
+        "checkpoint (distributed.max_restarts)",
     )
     _overrides(train)
 
@@ -200,13 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
         return EXIT_USAGE if usage else EXIT_FAILED
     except SignalException as error:
-        # The agent was signalled (SLURM, a spot instance, kill): it passed the signal on to
-        # the ranks, which saved at their next step boundary and stopped (preempt_signals).
-        print(
-            f"ups: stopped by {signal.Signals(error.sigval).name}: the ranks saved where they "
-            "stopped; resume with -o checkpoint.resume=latest",
-            file=sys.stderr,
-        )
+        # The agent was signalled with a signal ranks do not save on: it passed it on to them.
+        print(f"ups: stopped by {signal.Signals(error.sigval).name}", file=sys.stderr)
         return 128 + error.sigval
     except KeyboardInterrupt:
         return 130
@@ -217,16 +224,56 @@ def _train(args: argparse.Namespace) -> int:
         args.override.append(f"run.profile_steps={args.profile}")
     if args.allow_changed:
         args.override.append(f"checkpoint.allow_changed=[{', '.join(args.allow_changed)}]")
+    if args.max_restarts is not None:
+        args.override.append(f"distributed.max_restarts={args.max_restarts}")
     config = load_config(args.config, args.override)
     nproc = args.nproc or config.distributed.nproc
     if not launched():
         _check(config, load_plugins(), nproc)
         if nproc > 1:
-            launch.torchrun(args.config, nproc, args.override)
-            return EXIT_OK
+            return _train_on_processes(args, config, nproc)
     # record: a launched rank's error goes to the file its elastic agent reads it from.
-    record(launch.train_in_place)(config)
-    return EXIT_OK
+    result = record(launch.train_in_place)(config)
+    assert result is not None  # record returns what it wraps returns, or raises
+    # Under an elastic agent a rank exits 0, else the agent would restart it; the agent's
+    # process (ups train --nproc) tells the preemption.
+    agent = "TORCHELASTIC_RUN_ID" in os.environ
+    return EXIT_PREEMPTED if result.preempted and not agent else EXIT_OK
+
+
+def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) -> int:
+    """``ups train --nproc N``: the elastic agent over N ranks. A preemption signal to the agent
+    goes on to the ranks (torch's agent forwards SIGTERM and SIGINT; ups adds the other
+    ``preempt_signals``); a run whose ranks saved and stopped for one (they exit 0, so that the
+    agent does not restart them, and rank 0 leaves ``preempted.json``) exits with
+    :data:`EXIT_PREEMPTED`."""
+    preempt = {signal.Signals[name] for name in config.checkpoint.preempt_signals}
+    previous = {sig: signal.signal(sig, _raise_signal_exception) for sig in preempt}
+    record = config.run_dir / PREEMPTED
+    how = ""
+    try:
+        launch.torchrun(args.config, nproc, args.override, config.distributed.max_restarts)
+    except SignalException as error:
+        if error.sigval not in preempt or not record.is_file():
+            raise
+        how = f" by {signal.Signals(error.sigval).name}"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not record.is_file():
+        return EXIT_OK
+    step = json.loads(record.read_text())["step"]
+    print(
+        f"ups: preempted{how}: the ranks saved at step {step}; resume with "
+        "-o checkpoint.resume=latest",
+        file=sys.stderr,
+    )
+    return EXIT_PREEMPTED
+
+
+def _raise_signal_exception(signum: int, _frame: object) -> None:
+    """What torch's agent does on SIGTERM: raise, so that it passes the signal to the ranks."""
+    raise SignalException(f"ups got signal {signum}", sigval=signal.Signals(signum))
 
 
 def _tune(args: argparse.Namespace) -> int:

@@ -98,6 +98,16 @@ def all_mean(ctx: RunContext, values: torch.Tensor) -> torch.Tensor:
     return total / ctx.world_size
 
 
+def all_max(ctx: RunContext, value: int) -> int:
+    """The largest of every rank's ``value`` (``value`` itself if not distributed)."""
+    if not ctx.distributed:
+        return value
+    device = _object_device(ctx, None) or torch.device("cpu")
+    largest = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return int(largest.item())
+
+
 def _object_device(ctx: RunContext, group: dist.ProcessGroup | None) -> torch.device | None:
     """The device collectives over ``group`` move tensors through: the rank's own under NCCL
     (the default group's backend), the CPU (``None``) under gloo or for another group."""

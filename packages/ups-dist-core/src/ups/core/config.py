@@ -154,7 +154,14 @@ class DistributedConfig:
     nproc: int = attrs.field(default=1, validator=at_least(1))
     """Processes to start on this machine (``ups train --nproc`` overrides it)."""
     timeout_s: float = attrs.field(default=300.0, validator=above(0))
-    """Seconds any collective may wait before the run fails with an error naming the rank."""
+    """Seconds a rank may spend in one training step before the run stops, naming the ranks
+    that stopped answering (:mod:`ups.core.watchdog`); collectives time out a grace later."""
+    max_restarts: int = attrs.field(default=0, validator=at_least(0))
+    """Times the elastic agent of ``ups train --nproc`` restarts every rank after one fails
+    (``ups train --max-restarts``); a restarted run resumes from its newest checkpoint."""
+    desync_check_every: int | None = attrs.field(default=None, validator=at_least(1))
+    """Every this many optimizer steps, check that every rank holds the same parameters (one
+    all-gather of a few numbers), naming a rank that diverged; ``null``: at the start only."""
     bucket_cap_mb: float = attrs.field(default=25.0, validator=above(0))
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
@@ -191,8 +198,9 @@ class CheckpointChoice(PluginChoice):
         "SIGTERM",
         "SIGUSR1",
     )
-    """Signals that make every rank save at the next step boundary and stop cleanly (exit
-    status 0), to resume later; ``[]``: none (a signal then acts as it would without ups)."""
+    """Signals that make every rank save at the next step boundary and stop (``ups train`` exits
+    with status 75, preempted and resumable), to resume later; ``[]``: none (a signal then acts
+    as it would without ups)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -54,6 +54,9 @@ class RunContext:
     """The process group's backend (``gloo``/``nccl``), or ``None`` when not distributed."""
     launcher: Launcher = "single"
     """What started this process: ``torchrun``, ``slurm`` (``srun``) or ``single``."""
+    restart_count: int = 0
+    """How many times the launcher restarted this job (torchrun's
+    ``TORCHELASTIC_RESTART_COUNT``, SLURM's ``SLURM_RESTART_COUNT`` for a requeued job)."""
 
     @property
     def distributed(self) -> bool:
@@ -78,6 +81,7 @@ class Placement:
     launcher: Launcher
     master_addr: str | None = None
     master_port: int | None = None
+    restart_count: int = 0
 
 
 def _int(env: Mapping[str, str], key: str) -> int:
@@ -85,6 +89,17 @@ def _int(env: Mapping[str, str], key: str) -> int:
         return int(env[key])
     except ValueError:
         raise UsageError(f"environment variable {key}={env[key]!r} is not an integer") from None
+
+
+def _count(env: Mapping[str, str], key: str) -> int:
+    return _int(env, key) if env.get(key) else 0
+
+
+def collective_timeout(timeout_s: float) -> float:
+    """The process group's own timeout for ``distributed.timeout_s``: a grace of
+    ``min(timeout_s, 60)`` seconds later, in which the step watchdog names the silent ranks
+    (:mod:`ups.core.watchdog`) before a collective fails without naming them."""
+    return timeout_s + min(timeout_s, 60.0)
 
 
 def first_host(nodelist: str) -> str:
@@ -114,6 +129,7 @@ def read_placement(env: Mapping[str, str]) -> Placement:
             launcher="torchrun",
             master_addr=env.get("MASTER_ADDR"),
             master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
+            restart_count=_count(env, "TORCHELASTIC_RESTART_COUNT"),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
@@ -132,6 +148,7 @@ def read_placement(env: Mapping[str, str]) -> Placement:
             master_port=_int(env, "MASTER_PORT")
             if "MASTER_PORT" in env
             else 15000 + job_id % 20000,
+            restart_count=_count(env, "SLURM_RESTART_COUNT"),
         )
     return Placement(
         rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, launcher="single"
@@ -166,11 +183,12 @@ def distributed_session(
 ) -> Iterator[RunContext]:
     """Initialise the process group this process's environment describes; yield its context.
 
-    ``enabled``: ``"auto"`` uses a process group when the world has more than one process and
-    falls back to a single process, with a warning, when initialisation fails; ``True`` always
-    uses one and fails with a :class:`UsageError` when it cannot; ``False`` never does (and
-    refuses to run as one of several ranks). ``timeout_s`` bounds every collective.
-    The process group is destroyed on exit, whatever happened inside.
+        ``enabled``: ``"auto"`` uses a process group when the world has more than one process and
+        falls back to a single process, with a warning, when initialisation fails (unless the launcher restarted the job); ``True`` always
+        uses one and fails with a :class:`UsageError` when it cannot; ``False`` never does (and
+        refuses to run as one of several ranks). ``timeout_s`` bounds every collective (with the
+    grace of :func:`collective_timeout`).
+        The process group is destroyed on exit, whatever happened inside.
     """
     env = os.environ if env is None else env
     place = read_placement(env)
@@ -189,9 +207,10 @@ def distributed_session(
     try:
         _init(place, chosen, timeout_s)
     except Exception as error:
-        if enabled is True:
+        if enabled is True or place.restart_count:  # a restarted rank must rejoin its peers
+            why = "is true" if enabled is True else "is auto and the job was restarted"
             raise UsageError(
-                f"distributed.enabled is true but rank {place.rank} of {place.world_size} could "
+                f"distributed.enabled {why} but rank {place.rank} of {place.world_size} could "
                 f"not join the process group ({chosen}): {error}"
             ) from error
         log.warning(
@@ -212,6 +231,7 @@ def distributed_session(
         backend=chosen,
         launcher=place.launcher,
         timeout_s=timeout_s,
+        restart_count=place.restart_count,
     )
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
@@ -230,7 +250,9 @@ def distributed_session(
 
 
 def _single(place: Placement) -> RunContext:
-    return RunContext(device=_device_for(None, 0), launcher=place.launcher)
+    return RunContext(
+        device=_device_for(None, 0), launcher=place.launcher, restart_count=place.restart_count
+    )
 
 
 def _init(place: Placement, backend: str, timeout_s: float) -> None:
@@ -243,5 +265,5 @@ def _init(place: Placement, backend: str, timeout_s: float) -> None:
         init_method=f"tcp://{place.master_addr}:{place.master_port}",
         rank=place.rank,
         world_size=place.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=collective_timeout(timeout_s)),
     )

@@ -28,9 +28,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, default_collate
 
-from .collectives import Failure, RankFailedError, gather_failures
+from .collectives import Failure, RankFailedError, all_max, gather_failures
 from .config import Config, FactoryConfig
 from .context import RunContext
+from .desync import check_in_sync
 from .errors import ConfigError, UsageError
 from .evaluation import evaluate
 from .faults import FaultInjector
@@ -48,6 +49,7 @@ from .rundir import RunFiles
 from .schedule import Schedule, apply_lr_multiplier
 from .user_metrics import PendingMetrics, UserMetrics
 from .validate import select_sampler
+from .watchdog import DONE, FORWARD, FORWARD_DONE, STARTED, Watchdog
 
 log = structlog.get_logger()
 
@@ -203,9 +205,15 @@ class Run:
             self.user_metrics = UserMetrics(fn, config.metrics.reduce, ctx.device)
         self.files = RunFiles(config, ctx)
         self.step = self.epoch = self.attempts = 0
-        faults = FaultInjector(ctx.rank)
-        if faults:  # in the model's forward: inside DDP's, after its own collectives
-            self.model.register_forward_pre_hook(lambda *_: faults.check(self.attempts))
+        self.restarted = all_max(ctx, ctx.restart_count)
+        """How many times the launcher restarted the job (the largest count of any rank: a
+        node that joined afresh counts from 0)."""
+        self.watchdog = Watchdog(ctx, key=str(self.restarted))
+        self.model.register_forward_pre_hook(lambda *_: self.watchdog.mark(self.attempts, FORWARD))
+        self.model.register_forward_hook(lambda *_: self.watchdog.mark(self.attempts, FORWARD_DONE))
+        self.faults = FaultInjector(ctx.rank, restart_count=self.restarted)
+        if self.faults:  # in the model's forward: inside DDP's, after its own collectives
+            self.model.register_forward_pre_hook(lambda *_: self.faults.check(self.attempts))
         self.oom_skipped = self.oom_in_a_row = 0
         self.agree = t.skip_oom
         if self.agree == "auto":
@@ -244,14 +252,18 @@ class Run:
             batch_size=self.schedule.batch_size,
             accumulation_steps=self.schedule.accumulation_steps,
         )
-        if self.config.checkpoint.resume == "latest":
+        if self.config.checkpoint.resume == "latest" or self.restarted:
+            if self.restarted and ctx.is_main:
+                log.info("restarted by the launcher: resuming", restarts=self.restarted)
             self._resume()
+        check_in_sync(ctx, self.config.digest(), self.step, self.model)
         self.ddp.train()
         self._reported_at = (self.step, time.perf_counter())
         with (
             self.profiler or contextlib.nullcontext(),
             Progress(ctx, self._total_steps()) as bar,
             self.preemption,
+            self.watchdog,
         ):
             self.progress = bar
             self._loop()
@@ -264,6 +276,8 @@ class Run:
         if self._saved_at != self.step:
             self._location = self._checkpoint()
         self.checkpointer.wait()
+        if preempted:
+            self.files.preempted(self.step)
         losses = tuple(r["loss"] for r in self.reports)
         log.info(
             "done",
@@ -314,6 +328,9 @@ class Run:
                 every = self.config.checkpoint.every_steps
                 if (every and self.step % every == 0) or (decision and decision.save):
                     self._location, self._saved_at = self._checkpoint(), self.step
+                check = self.config.distributed.desync_check_every
+                if check and self.step % check == 0:
+                    check_in_sync(ctx, self.config.digest(), self.step, self.model)
                 if self.preemption.agreed():
                     log.warning("preempted: saving and stopping", step=self.step)
                     return
@@ -533,6 +550,7 @@ class Run:
         """
         t = self.config.training
         self.attempts += 1
+        self.watchdog.mark(self.attempts, STARTED)
         micro_batches = itertools.islice(batches, group)
         taken: list[Taken] = []
         losses: list[torch.Tensor] = []
@@ -557,6 +575,7 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        self.watchdog.mark(self.attempts, DONE)
         return grad_norm
 
     def _agreed(self, work: Callable[..., None], *args: Any) -> bool:
@@ -734,7 +753,8 @@ class Run:
             "config_digest": self.config.digest(),
             "versions": dict(_versions()),
         }
-        location = self.checkpointer.save(state, step=self.step, rank_state=own)
+        with self.faults.saving(self.step):
+            location = self.checkpointer.save(state, step=self.step, rank_state=own)
         self.hook.ups_checkpoint_saved(ctx=self.ctx, step=self.step, location=location)
         log.info("checkpoint saved", step=self.step, location=location)
         return location

@@ -3,19 +3,29 @@
 Set ``UPS_FAULTS`` in the environment of the ranks (every process a launcher starts inherits
 it), as ``;``-separated ``KIND@RANK:STEP[,STEP...]`` items::
 
-    UPS_FAULTS="oom@1:3;error@0:7,8"
+    UPS_FAULTS="oom@1:3;error@0:7,8;kill_save@1:6"
 
 ``oom`` raises :class:`torch.OutOfMemoryError` as CUDA does when memory runs out; ``error``
-raises :class:`RuntimeError`. A fault fires once, in the first forward pass of the model (inside
-DDP's forward, where real out-of-memory errors happen) of the ``STEP``-th optimizer step the
-rank attempts, counting from 1, skipped steps included.
+raises :class:`RuntimeError`; ``kill`` sends the rank SIGKILL (as ``kill -9`` or the kernel's
+out-of-memory killer would); ``hang`` sleeps forever (a rank that stops answering). These fire
+once, in the first forward pass of the model (inside DDP's forward, where real out-of-memory
+errors happen) of the ``STEP``-th optimizer step the rank attempts, counting from 1, skipped steps
+included. ``kill_save`` sends the rank SIGKILL inside the checkpoint save of optimizer step
+``STEP``, at its first ``os.fsync`` there: its file written, the checkpoint not committed.
+
+Faults fire in the workers' first start only: a job its launcher restarted
+(:attr:`~ups.core.context.RunContext.restart_count` above 0) runs without them. This is a testing
+hook, for rehearsing recovery; never set it in production.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
-from typing import Literal
+import signal
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -23,14 +33,15 @@ import torch
 from .errors import UsageError
 
 ENV = "UPS_FAULTS"
-KINDS = ("oom", "error")
+Kind = Literal["oom", "error", "kill", "hang", "kill_save"]
+KINDS: tuple[Kind, ...] = ("oom", "error", "kill", "hang", "kill_save")
 
 
 @attrs.frozen
 class Fault:
     """One injected failure: ``kind`` on ``rank`` at each of ``steps``."""
 
-    kind: Literal["oom", "error"]
+    kind: Kind
     rank: int
     steps: frozenset[int]
 
@@ -47,7 +58,7 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
         try:
             if kind not in KINDS:
                 raise ValueError
-            fault = Fault(kind, int(rank), frozenset(int(s) for s in steps.split(",")))  # type: ignore[arg-type]
+            fault = Fault(kind, int(rank), frozenset(int(s) for s in steps.split(",")))
         except ValueError:
             raise UsageError(
                 f"{ENV}: bad item {item!r}; expected KIND@RANK:STEP[,STEP...] with KIND one of "
@@ -58,11 +69,14 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
 
 
 class FaultInjector:
-    """This rank's share of the faults ``UPS_FAULTS`` asks for."""
+    """This rank's share of the faults ``UPS_FAULTS`` asks for (none after a restart)."""
 
-    def __init__(self, rank: int, env: Mapping[str, str] = os.environ) -> None:
+    def __init__(
+        self, rank: int, env: Mapping[str, str] = os.environ, *, restart_count: int = 0
+    ) -> None:
         self.rank = rank
-        self._faults = [f for f in parse_faults(env.get(ENV, "")) if f.rank == rank]
+        faults = parse_faults(env.get(ENV, "")) if restart_count == 0 else ()
+        self._faults = [f for f in faults if f.rank == rank]
         self._fired: set[int] = set()
 
     def __bool__(self) -> bool:
@@ -70,14 +84,38 @@ class FaultInjector:
         return bool(self._faults)
 
     def check(self, step: int) -> None:
-        """Raise the fault meant for this rank's ``step``-th attempted step, the first time
-        it is called for that step."""
+        """Fire the fault meant for this rank's ``step``-th attempted step (raise, SIGKILL this
+        process or sleep forever), the first time it is called for that step."""
         if step in self._fired:
             return
         for fault in self._faults:
-            if step in fault.steps:
+            if step in fault.steps and fault.kind != "kill_save":
                 self._fired.add(step)
                 where = f"injected by {ENV} on rank {self.rank} at step {step}"
                 if fault.kind == "oom":
                     raise torch.OutOfMemoryError(f"CUDA out of memory ({where})")
+                if fault.kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                while fault.kind == "hang":
+                    time.sleep(3600)
                 raise RuntimeError(f"injected error ({where})")
+
+    @contextlib.contextmanager
+    def saving(self, step: int) -> Iterator[None]:
+        """Around the checkpoint save of optimizer step ``step``: with a ``kill_save`` fault for
+        it, the rank SIGKILLs itself right after its first ``os.fsync`` in the save (its file
+        written, the checkpoint not committed; a rank that writes nothing is not killed)."""
+        if not any(f.kind == "kill_save" and step in f.steps for f in self._faults):
+            yield
+            return
+        fsync = os.fsync
+
+        def killing_fsync(fd: Any) -> None:
+            fsync(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        os.fsync = killing_fsync
+        try:
+            yield
+        finally:
+            os.fsync = fsync

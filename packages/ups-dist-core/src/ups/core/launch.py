@@ -7,6 +7,7 @@ does the same for any function, for notebooks and scripts (like Accelerate's not
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -31,6 +32,10 @@ T = TypeVar("T")
 
 
 def _launch_config(nproc: int, max_restarts: int) -> LaunchConfig:
+    # Torch's agent shares its rendezvous store with the ranks, across restarts: a restarted
+    # rank reads its peers' gloo addresses of the previous round and cannot connect. Unshared,
+    # rank 0 hosts a fresh store each round.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -78,7 +83,8 @@ def train(
     """Train a config (a file, a mapping or a :class:`Config`) on ``nproc`` local processes.
 
     ``nproc`` defaults to ``distributed.nproc``; ``overrides`` (``key.path=value``) apply to a
-    file or a mapping. Returns rank 0's :class:`~ups.core.TrainResult`.
+    file or a mapping. The ranks are restarted ``distributed.max_restarts`` times at most
+    (resuming from the newest checkpoint). Returns rank 0's :class:`~ups.core.TrainResult`.
     Plugins must be installed (entry points) to be seen by the spawned processes.
     """
     if isinstance(config, str | Path):
@@ -88,7 +94,13 @@ def train(
     nproc = nproc or config.distributed.nproc
     if nproc == 1 or launched():
         return train_in_place(config)
-    return run_processes(train_here, config, nproc=nproc, distributed=config.distributed)
+    return run_processes(
+        train_here,
+        config,
+        nproc=nproc,
+        distributed=config.distributed,
+        max_restarts=config.distributed.max_restarts,
+    )
 
 
 def train_in_place(config: Config) -> engine.TrainResult:
@@ -111,7 +123,8 @@ def train_here(ctx: RunContext, config: Config) -> engine.TrainResult:
 
 
 def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: int = 0) -> None:
-    """Run ``ups train CONFIG`` on ``nproc`` local processes under one elastic agent.
+    """Run ``ups train CONFIG`` on ``nproc`` local processes under one elastic agent, which
+    restarts every rank after one fails, ``max_restarts`` times at most.
 
     :raises ChildFailedError: when a rank fails (after ``max_restarts`` restarts).
     """

@@ -3,7 +3,10 @@
 - ``config.yaml``: the resolved configuration (overrides applied, file paths absolute), so a
   run can be repeated and compared;
 - ``metrics.jsonl``: one JSON object a line for every training report and evaluation, with
-  ``kind`` (``train`` or ``eval``) and ``step``.
+  ``kind`` (``train`` or ``eval``) and ``step``;
+- ``preempted.json``: ``{"step": N}`` when a preemption signal stopped the run, every rank
+  saved at step ``N``; removed when a run starts in the folder. ``ups train --nproc`` reads it
+  to exit with its preempted status, since the ranks under its agent exit 0.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import yaml
 from .config import Config
 from .context import RunContext
 
+PREEMPTED = "preempted.json"
+
 
 class RunFiles:
     """Rank 0's writer of the run folder's files; on other ranks every method does nothing."""
@@ -31,6 +36,7 @@ class RunFiles:
             self.folder.mkdir(parents=True, exist_ok=True)
             text = yaml.safe_dump(_plain(attrs.asdict(config)), sort_keys=False)
             (self.folder / "config.yaml").write_text(text)
+            (self.folder / PREEMPTED).unlink(missing_ok=True)
 
     @property
     def metrics_path(self) -> Path:
@@ -47,6 +53,11 @@ class RunFiles:
         }
         with self.metrics_path.open("a") as file:
             file.write(json.dumps(record) + "\n")
+
+    def preempted(self, step: int) -> None:
+        """Record that a preemption signal stopped the run, saved at ``step``."""
+        if self.enabled:
+            (self.folder / PREEMPTED).write_text(json.dumps({"step": step}) + "\n")
 
 
 def _plain(value: object) -> object:
