@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 from launched import Tidy, cancelling, events, tiny, wait_for
 
@@ -82,9 +83,10 @@ def test_the_local_launcher_is_registered_by_the_entry_point() -> None:
         registry.select("launcher", "local", {"cancel_grace_s": 0}, "launch")
 
 
-def test_dry_run_is_the_exact_command_line(tmp_path: Path) -> None:
+def test_dry_run_is_the_exact_command_line(project: Path) -> None:
     launcher = LocalLauncher(options=LocalLauncherOptions(python="/opt/py/bin/python3"))
-    config = tmp_path / "my run.yaml"
+    config = project / "my run.yaml"
+    (project / "run.yaml").rename(config)
     request = LaunchRequest(
         config=config, nproc_per_node=4, overrides=("training.lr=3e-4", "run.name=a b")
     )
@@ -93,12 +95,15 @@ def test_dry_run_is_the_exact_command_line(tmp_path: Path) -> None:
         f"-m ups.core train '{config.resolve()}' -o training.lr=3e-4 -o 'run.name=a b'"
     )
     assert shlex.split(launcher.dry_run(request)) == launcher.command(request)
+    # The config's restarts go to the agent.
+    restarts = attrs.evolve(request, overrides=("distributed.max_restarts=2",))
+    assert launcher.command(restarts)[3:6] == ["--max-restarts", "2", "--standalone"]
 
 
-def test_several_nodes_are_agents_joined_by_a_rendezvous_on_loopback(tmp_path: Path) -> None:
+def test_several_nodes_are_agents_joined_by_a_rendezvous_on_loopback(project: Path) -> None:
     options = LocalLauncherOptions(python="/opt/py/bin/python3", rdzv_port=29555)
     launcher = LocalLauncher(options=options)
-    request = LaunchRequest(config=tmp_path / "run.yaml", nnodes=3, nproc_per_node=2)
+    request = LaunchRequest(config=project / "run.yaml", nnodes=3, nproc_per_node=2)
     script = launcher.dry_run(request)
     assert launcher.command(request) == ["bash", "-c", script]
     agents = [line for line in script.splitlines() if line.endswith(" &")]
@@ -115,7 +120,7 @@ def test_several_nodes_are_agents_joined_by_a_rendezvous_on_loopback(tmp_path: P
             ("--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}"),
         ]:
             assert argv[argv.index(flag) + 1] == value
-        assert argv[-3:] == ["ups.core", "train", str(tmp_path / "run.yaml")]
+        assert argv[-3:] == ["ups.core", "train", str(project / "run.yaml")]
     assert 'exit "$status"' in script
     # Without a port, a free one: a new one each time.
     free = LocalLauncher(options=LocalLauncherOptions()).dry_run(request)
@@ -123,9 +128,9 @@ def test_several_nodes_are_agents_joined_by_a_rendezvous_on_loopback(tmp_path: P
 
 
 @pytest.mark.parametrize(("nnodes", "nproc"), [(0, 1), (1, 0)])
-def test_no_nodes_or_processes_is_refused(nnodes: int, nproc: int) -> None:
+def test_no_nodes_or_processes_is_refused(project: Path, nnodes: int, nproc: int) -> None:
     launcher = LocalLauncher(options=LocalLauncherOptions())
-    request = LaunchRequest(config=Path("run.yaml"), nnodes=nnodes, nproc_per_node=nproc)
+    request = LaunchRequest(config=project / "run.yaml", nnodes=nnodes, nproc_per_node=nproc)
     with pytest.raises(UsageError, match="nnodes and nproc_per_node must be >= 1"):
         launcher.dry_run(request)
     with pytest.raises(UsageError, match="must be >= 1"):

@@ -92,7 +92,7 @@ def test_dry_run_shows_the_sbatch_command_and_the_script(project: Path) -> None:
         config=project / "run.yaml",
         nproc_per_node=4,
         nnodes=2,
-        overrides=("training.lr=3e-4", "run.name=a b"),
+        overrides=("training.lr=3e-4", "run.name=a b", "distributed.max_restarts=2"),
         run_dir=project / "jobs",
     )
     text = launcher.dry_run(request)
@@ -118,10 +118,12 @@ def test_dry_run_shows_the_sbatch_command_and_the_script(project: Path) -> None:
         "bash", "-c", 'trap "" USR1; exec "$@"', "ups-agent",
         "/opt/py/bin/python3", "-m", "torch.distributed.run",
         "--nnodes", "$SLURM_NNODES", "--rdzv-endpoint", "$head_node:$port",
-        "--rdzv-id", "$SLURM_JOB_ID", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
-        "-m", "ups.core", "train", str(project / "run.yaml"),
+        "--rdzv-id", "$SLURM_JOB_ID", "--max-restarts", "2", "--nproc-per-node", "4",
+        "--rdzv-backend", "c10d", "-m", "ups.core", "train", str(project / "run.yaml"),
         "-o", "checkpoint.resume=latest", "-o", "training.lr=3e-4", "-o", "run.name=a b",
+        "-o", "distributed.max_restarts=2",
     ]  # fmt: skip
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script
     assert "'run.name=a b'" in srun  # quoted for the shell
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
     assert "port=$((20000 + SLURM_JOB_ID % 20000))" in script

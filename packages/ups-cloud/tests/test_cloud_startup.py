@@ -135,12 +135,16 @@ def test_several_machines_rendezvous_on_the_first() -> None:
         rdzv_host="10.0.0.2",
         rdzv_port=29400,
         rdzv_id="job-1",
+        max_restarts=3,
     ).render()
     assert (
+        'torch.distributed.run --max-restarts 3 --nproc-per-node "$NPROC" '
         '--nnodes 3 --node-rank "${NODE_RANK:?NODE_RANK is not set}" --rdzv-backend c10d '
         "--rdzv-endpoint 10.0.0.2:29400 --rdzv-id job-1" in script
     )
     assert "--standalone" not in script
+    # The agents' rendezvous store is fresh each round, so restarted ranks can connect.
+    assert "\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in script
 
 
 @pytest.mark.parametrize(

@@ -18,12 +18,16 @@ from vast_server import VastServer
 from ups.cloud.startup import StartupScript
 from ups.cloud.vastai import VastAIError, VastAILauncher, VastAILauncherOptions
 from ups.core import LaunchRequest, UsageError
+from ups.core.testing import tiny_project
 
 KEY = "planted-vast-key-5f3a9c1e"
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[VastServer]:
+def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[VastServer]:
+    tiny_project(tmp_path / "configs")
+    (tmp_path / "configs" / "run.yaml").rename(tmp_path / "configs" / "tiny.yaml")
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("VAST_API_KEY", KEY)
     with VastServer(KEY) as srv:
         yield srv

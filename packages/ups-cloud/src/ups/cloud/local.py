@@ -40,9 +40,9 @@ import attrs
 import structlog
 
 from ups.core import LaunchRequest, UsageError, above
-from ups.core.config import load_config
+from ups.core.config import Config, load_config
 from ups.core.files import write_atomically
-from ups.core.launch import train_args
+from ups.core.launch import AGENT_ENV, agent_args, train_args
 from ups.core.testing import free_port
 
 from . import _procs
@@ -144,13 +144,13 @@ class LocalLauncher:
 
         :raises UsageError: a bad request or config, or a job of that run still running.
         """
-        command = self.command(request)
         config = load_config(request.config, request.overrides)
+        command = self._command(request, config)
         folder = (request.run_dir / config.run.name).resolve()
         folder.mkdir(parents=True, exist_ok=True)
         self._archive_previous(folder)
         log_path = folder / LOG_FILE
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **AGENT_ENV}
         runner = [sys.executable, "-m", "ups.cloud._runner", str(folder), os.getcwd(), "--"]
         start_time = _now()
         with open(log_path, "ab") as log_file:
@@ -237,11 +237,15 @@ class LocalLauncher:
 
     def command(self, request: LaunchRequest) -> list[str]:
         """The argv of the job :meth:`submit` starts for ``request``: torchrun, or for several
-        nodes ``bash -c SCRIPT`` (see the module doc).
+        nodes ``bash -c SCRIPT`` (see the module doc); with ``--max-restarts`` when the config
+        sets ``distributed.max_restarts``.
 
-        :raises UsageError: a bad number of nodes or processes, or a system without process
-            groups.
+        :raises UsageError: a bad number of nodes or processes, a bad config, or a system
+            without process groups.
         """
+        return self._command(request, load_config(request.config, request.overrides))
+
+    def _command(self, request: LaunchRequest, config: Config) -> list[str]:
         if request.nnodes < 1 or request.nproc_per_node < 1:
             raise UsageError(
                 f"nnodes and nproc_per_node must be >= 1, not {request.nnodes} and "
@@ -251,6 +255,7 @@ class LocalLauncher:
             raise UsageError("the local launcher needs a POSIX system (sessions, process groups)")
         train = train_args(Path(request.config).resolve(), request.overrides)
         torchrun = [self.options.python, "-m", "torch.distributed.run"]
+        torchrun += agent_args(config.distributed.max_restarts)
         nproc = ["--nproc-per-node", str(request.nproc_per_node)]
         if request.nnodes == 1:
             return [*torchrun, "--standalone", *nproc, *train]

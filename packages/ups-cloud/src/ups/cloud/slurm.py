@@ -21,8 +21,9 @@ save a checkpoint at their next step boundary and stop (``checkpoint.preempt_sig
 includes SIGUSR1 by default), the agents see them end and exit 0. Each rank gets the signal
 exactly once: SIGTERM would not do, as the agent passes SIGTERM on too and a rank's second
 signal acts as it would without ups (it kills the rank mid-save). A rank that has not yet
-installed its handler ignores the notice. Without ``requeue`` the script then exits 138
-(128 + SIGUSR1), so SLURM reports the job failed and its log says how to resume. With
+installed its handler ignores the notice. Without ``requeue`` the script then exits 75, as
+``ups train`` does when preempted (resumable, not failed), so SLURM reports the job failed
+with that exit code and its log says how to resume. With
 ``requeue``, the script requeues the job (``scontrol requeue``); it is submitted with
 ``--requeue --open-mode=append`` and ``-o checkpoint.resume=latest`` (before the request's
 overrides, which may change it), so the requeued job continues from that checkpoint (SLURM
@@ -48,9 +49,10 @@ import attrs
 import structlog
 
 from ups.core import LaunchRequest, UsageError, above, at_least
+from ups.core.cli import EXIT_PREEMPTED
 from ups.core.config import load_config
 from ups.core.files import write_atomically
-from ups.core.launch import train_args
+from ups.core.launch import agent_args, agent_exports, train_args
 
 log = structlog.get_logger()
 
@@ -225,8 +227,10 @@ class SlurmLauncher:
             str(folder / SCRIPT_FILE),
         ]  # fmt: skip
 
-    def script(self, request: LaunchRequest, name: str) -> str:
-        """The batch script for ``request`` (``name``: the run's name)."""
+    def script(self, request: LaunchRequest, name: str, max_restarts: int = 0) -> str:
+        """The batch script for ``request`` (``name``: the run's name; ``max_restarts``: how
+        often torchrun restarts the ranks after a failure, the config's
+        ``distributed.max_restarts``)."""
         if request.nnodes < 1:
             raise UsageError(f"nnodes must be >= 1, not {request.nnodes}")
         if request.nproc_per_node < 1:
@@ -260,6 +264,7 @@ class SlurmLauncher:
         srun += ["bash", "-c", 'trap "" USR1; exec "$@"', "ups-agent"]
         torchrun = [
             o.python, "-m", "torch.distributed.run",
+            *agent_args(max_restarts),
             "--nproc-per-node", str(request.nproc_per_node),
             "--rdzv-backend", "c10d",
             *train_args(Path(request.config).resolve(), overrides),
@@ -275,6 +280,7 @@ class SlurmLauncher:
             *(f"#SBATCH {d}" for d in directives),
             "set -u",
             "export PYTHONUNBUFFERED=1",
+            *agent_exports(),
             f'head_node=$({shlex.quote(o.scontrol)} show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             f"port={port}",
             'echo "ups: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous at $head_node:$port"',
@@ -307,7 +313,7 @@ class SlurmLauncher:
                 'if [ -n "$preempted" ] && [ "$status" = 0 ]; then',
                 '    echo "ups: stopped by the pre-emption notice; the ranks saved where they'
                 ' stopped; resume with -o checkpoint.resume=latest" >&2',
-                "    status=138",
+                f"    status={EXIT_PREEMPTED}",
                 "fi",
             ]
         lines.append('exit "$status"')
@@ -316,7 +322,7 @@ class SlurmLauncher:
     def _prepare(self, request: LaunchRequest) -> tuple[Path, str]:
         config = load_config(request.config, request.overrides)
         folder = (request.run_dir / config.run.name).resolve()
-        return folder, self.script(request, config.run.name)
+        return folder, self.script(request, config.run.name, config.distributed.max_restarts)
 
     def _run(self, argv: list[str], *, what: str) -> subprocess.CompletedProcess[str]:
         if shutil.which(argv[0]) is None:

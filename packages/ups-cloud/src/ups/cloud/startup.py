@@ -43,7 +43,7 @@ from typing import Literal
 import attrs
 
 from ups.core import LaunchRequest, UsageError
-from ups.core.launch import train_args
+from ups.core.launch import agent_args, agent_exports, train_args
 
 LOG_FILE = "startup.log"
 """The script's log, in the run folder: the output of every step, training's included."""
@@ -144,6 +144,9 @@ class StartupScript:
     rdzv_port: int = 29500
     rdzv_id: str = "ups"
     """The rendezvous id, the same on every machine of a job."""
+    max_restarts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """How often torchrun restarts the ranks after a failure (the config's
+    ``distributed.max_restarts``); a restarted job resumes from its newest checkpoint."""
     upload_url: str | None = None
     """An fsspec URL (``s3://bucket/runs/x``, ``file:///data/x``, ...) the run folder is copied
     to at the end; its credentials come from the environment (``env_names``), not the URL."""
@@ -181,7 +184,7 @@ class StartupScript:
         count of processes)."""
         request = self.request
         words = [shlex.quote(self.python), "-m", "torch.distributed.run"]
-        words += ["--nproc-per-node", '"$NPROC"']
+        words += [*agent_args(self.max_restarts), "--nproc-per-node", '"$NPROC"']
         if request.nnodes == 1:
             words.append("--standalone")
         else:
@@ -211,6 +214,7 @@ class StartupScript:
             f"UPS_LOG={q(log_file)}",
             f"UPS_PYTHON={q(self.python)}",
             "export PYTHONUNBUFFERED=1",
+            *agent_exports(),
             "",
             'ups_say() { printf \'[ups-startup %s] %s\\n\' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*"; }',
             "",

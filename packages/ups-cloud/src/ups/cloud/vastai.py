@@ -39,6 +39,7 @@ import attrs
 import structlog
 
 from ups.core import LaunchRequest, UsageError
+from ups.core.config import load_config
 
 from ._secrets import ApiKey
 from .startup import EXIT_FILE, StartupScript
@@ -238,6 +239,7 @@ class VastAILauncher:
             node_rank=node_rank,
             rdzv_host=host if request.nnodes > 1 else None,
             rdzv_port=port,
+            max_restarts=load_config(request.config, request.overrides).distributed.max_restarts,
             upload_url=o.upload_url,
             auto_shutdown=o.auto_shutdown,
             shutdown_command=self.shutdown_command(request),

@@ -472,6 +472,7 @@ class VultrLauncher:
             if request.nnodes > 1
             else None,
             rdzv_id=f"{o.label_prefix}-{name}",
+            max_restarts=load_config(request.config, request.overrides).distributed.max_restarts,
             upload_url=upload,
             auto_shutdown=o.auto_shutdown,
         ).render()

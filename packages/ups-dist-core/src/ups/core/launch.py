@@ -31,11 +31,27 @@ from .tune import tune_here
 T = TypeVar("T")
 
 
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""What every elastic agent that may restart ranks needs in its environment. Torch's agent
+shares its rendezvous store with the ranks, across restarts: a restarted rank reads its peers'
+gloo addresses of the previous round and cannot connect. Unshared, rank 0 hosts a fresh store
+each round. Launchers that start torchrun set it too."""
+
+
+def agent_args(max_restarts: int) -> list[str]:
+    """The torchrun arguments a launcher adds for a config's ``distributed.max_restarts``:
+    ``--max-restarts N`` when it is set (a restarted job resumes from its newest checkpoint)."""
+    return ["--max-restarts", str(max_restarts)] if max_restarts else []
+
+
+def agent_exports() -> list[str]:
+    """The shell lines that put :data:`AGENT_ENV` in a script's environment."""
+    return [f"export {name}={value}" for name, value in AGENT_ENV.items()]
+
+
 def _launch_config(nproc: int, max_restarts: int) -> LaunchConfig:
-    # Torch's agent shares its rendezvous store with the ranks, across restarts: a restarted
-    # rank reads its peers' gloo addresses of the previous round and cannot connect. Unshared,
-    # rank 0 hosts a fresh store each round.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    for name, value in AGENT_ENV.items():
+        os.environ.setdefault(name, value)
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
