@@ -197,6 +197,27 @@ def test_launch_then_status_logs_and_cancel_in_later_calls(
     assert follow.stderr.strip() == "ups: tiny: CANCELLED"
 
 
+def test_a_stopped_job_has_ended_but_is_kept_until_cancelled(
+    fake: Path, ups: Callable[..., Result]
+) -> None:
+    """STOPPED (machines stopped, still billing): --follow returns, saying so; status says so;
+    the record, which cancel needs, is not replaced."""
+    assert ups("launch", "run.yaml", "-o", "launch.options.end=STOPPED").returncode == 0
+    note = "the job has ended, but its machines are kept, and billed, until `ups cancel tiny`"
+    follow = ups("logs", "tiny", "--follow", "--interval", "0.05")
+    assert follow.returncode == 1
+    assert follow.stdout == "line 0\nline 1\nline 2\n"
+    assert follow.stderr.strip() == f"ups: tiny: STOPPED: {note} deletes them"
+    status = ups("status", "tiny")
+    assert (status.returncode, status.stdout) == (0, "STOPPED\n")
+    assert status.stderr.strip() == f"ups: tiny: {note} deletes them"
+    again = one_line_error(ups("launch", "run.yaml"))
+    assert "is STOPPED; cancel it" in again
+    cancel = ups("cancel", "tiny")
+    assert (cancel.returncode, cancel.stdout, cancel.stderr) == (0, "CANCELLED\n", "")
+    assert ups("launch", "run.yaml").returncode == 0
+
+
 def test_another_launcher_than_the_configs_starts_from_its_defaults(
     fake: Path, ups: Callable[..., Result]
 ) -> None:

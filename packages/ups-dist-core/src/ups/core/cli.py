@@ -27,11 +27,13 @@ from .context import RunContext, launched
 from .errors import UsageError
 from .launch_record import (
     DEFAULT_RUN_DIR,
+    HELD,
     RECORD_FILE,
     TERMINAL,
     LaunchRecord,
     build_launcher,
     find_record,
+    held_note,
     new_record,
 )
 from .plugins import FAMILIES, Registry, load_plugins
@@ -390,7 +392,7 @@ def _refuse_if_running(path: Path, registry: Registry) -> None:
         state = launcher.status(previous.handle)
     except Exception:  # a record that cannot be followed any more does not hold a job
         return
-    if state not in TERMINAL:
+    if state not in TERMINAL or state in HELD:
         raise UsageError(
             f"{path}: the run's previous job ({previous.launcher}: {previous.handle}) is "
             f"{state}; cancel it (ups cancel {path.parent}), or choose another run.name "
@@ -418,7 +420,11 @@ def _call(launcher: str, method: str, call: Callable[[], T]) -> T:
 
 def _status(args: argparse.Namespace) -> int:
     record, launcher = _launched(args.run)
-    print(_call(record.launcher, "status", lambda: launcher.status(record.handle)))
+    state = _call(record.launcher, "status", lambda: launcher.status(record.handle))
+    print(state)
+    note = held_note(state, args.run)
+    if note is not None:
+        print(f"ups: {args.run}: {note}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -439,7 +445,8 @@ def _logs(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         seen = text
         if state in TERMINAL:
-            print(f"ups: {args.run}: {state}", file=sys.stderr)
+            note = held_note(state, args.run)
+            print(f"ups: {args.run}: {state}" + (f": {note}" if note else ""), file=sys.stderr)
             return EXIT_OK if state == "SUCCEEDED" else EXIT_FAILED
         time.sleep(args.interval)
 

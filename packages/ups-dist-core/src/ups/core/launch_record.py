@@ -40,8 +40,16 @@ FORMAT = 1
 RECORD_FILE = "launch.json"
 DEFAULT_RUN_DIR = Path("runs")
 """Where ``ups status RUN`` looks for a run given by name (relative to the working directory)."""
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
-"""The states a job does not leave."""
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "STOPPED")
+"""The states in which a job's work has ended (it does not leave them by itself): ``ups logs
+--follow`` returns at them."""
+HELD = {
+    "STOPPED": "the job has ended, but its machines are kept, and billed, until "
+    "`ups cancel {run}` deletes them",
+}
+"""Ended states in which the job still holds machines that bill, with what to tell the user
+(``{run}``: the run as the user named it). ``ups launch`` does not replace such a job's record,
+which is what ``ups cancel`` needs to end the bill."""
 
 
 @attrs.frozen(kw_only=True)
@@ -154,6 +162,13 @@ def find_record(run: str) -> Path:
         f"no launched run {run!r}: no launch record at {looked}; pass a run's name, "
         "its folder or its launch.json"
     )
+
+
+def held_note(state: str, run: str) -> str | None:
+    """What to tell the user of a job of ``run`` in ``state`` when the job has ended but still
+    holds machines that bill (see :data:`HELD`); ``None`` for any other state."""
+    note = HELD.get(state)
+    return None if note is None else note.format(run=run)
 
 
 def build_launcher(
