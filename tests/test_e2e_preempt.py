@@ -4,6 +4,7 @@ run resumed from there ends bitwise equal to one never stopped."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from ups.core.testing import assert_bitwise_equal
 
 SIGNALLING_MODEL = """
 import os
+import re
 import signal
 
 import torch
@@ -93,11 +95,13 @@ def test_ups_train_signalled_saves_and_exits_without_a_traceback(
     _, err = process.communicate(timeout=60)
     assert process.returncode == 75, err  # preempted, resumable
     assert "Traceback" not in err
-    assert f"ups: preempted by {signal_name}: the ranks saved at step" in err
+    saved = re.search(rf"ups: preempted by {signal_name}: the ranks saved at step (\d+);", err)
+    assert saved is not None, err
+    # The save at the preemption is committed, is the newest, and is what a resume loads.
     checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
-    committed = sorted(p.name for p in checkpoints.glob("step-*") if (p / "COMMIT").is_file())
-    assert committed, "no checkpoint was committed"
-    assert (checkpoints / "latest").read_text().strip() == committed[-1] or committed
+    committed = [int(p.name[5:]) for p in checkpoints.glob("step-*") if (p / "COMMIT").is_file()]
+    assert max(committed, default=None) == int(saved[1]), (committed, err)
+    assert (checkpoints / "latest").read_text().strip() == f"step-{saved[1]}"
     for rank in (0, 1):
         text = (tmp_path / "runs" / "tiny" / "logs" / f"rank{rank}.jsonl").read_text()
         assert "preempted: saving and stopping" in text
