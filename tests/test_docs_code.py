@@ -12,9 +12,15 @@ What each block gets, by its language:
   section through ``ups_optuna.parse_sweep``; the options of a plugin section through the
   installed plugin (``Registry.select``).
 - ``toml``, ``json``: parsed.
-- ``bash``, ``console``: each command is checked: ``ups`` command lines are parsed by the
-  ``ups`` parser itself, a ``nox -s`` session must exist, a ``./path`` must exist.
+- ``bash``, ``console``: each command (every line of a bash block, each ``$ `` line of a
+  console block; split at ``&&``, ``||``, ``;``, ``|``; ``NAME=value`` prefixes skipped) is
+  checked: ``ups`` command lines are parsed by the ``ups`` parser itself, a ``nox -s`` session
+  must exist, a ``./path`` must exist.
 - ``text``: output and diagrams, not code.
+
+A block that would check nothing fails: a python block without a statement, an empty YAML
+mapping or TOML table, a console block without a ``$ `` line, a shell block of comments only,
+or one without a command of those above (``pip install torch`` alone).
 
 A block can instead say, in an HTML comment on the line before its fence, either
 ``<!-- not-run: REASON -->`` (the test checks that a reason is given) or
@@ -38,7 +44,7 @@ import tomllib
 from test_docs_hooks import protocol_lines, render
 
 import ups.core
-from ups.core import config_from_mapping, hookspecs, load_plugins, read_yaml, records
+from ups.core import UsageError, config_from_mapping, hookspecs, load_plugins, read_yaml, records
 from ups.core.cli import _COMMANDS, _parser
 from ups.core.testing import tiny_project
 
@@ -55,6 +61,10 @@ NOX_SESSIONS = set(re.findall(r'@nox\.session\([^)]*name="([^"]+)"', NOXFILE)) |
     re.findall(r"@nox\.session(?:\((?:(?!name=)[^)])*\))?\ndef (\w+)\(", NOXFILE)
 )
 """The sessions ``noxfile.py`` declares, by name (nox itself is not installed in the tests')."""
+NO_COMMAND = {
+    "console": "a console block shows commands as `$ ` lines; fence output as text",
+    "bash": "a bash block without a command (comments only) checks nothing",
+}
 
 
 @attrs.frozen
@@ -87,7 +97,7 @@ BLOCKS = blocks()
 
 def test_the_docs_have_blocks_of_every_kind() -> None:
     kinds = {b.language for b in BLOCKS} | {b.marker for b in BLOCKS}
-    assert {"python", "yaml", "bash", "console", "toml", "json", "not-run", "file"} <= kinds
+    assert {"python", "yaml", "bash", "toml", "json", "not-run", "file"} <= kinds
 
 
 def run_python(block: Block, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,12 +119,14 @@ def run_python(block: Block, folder: Path, monkeypatch: pytest.MonkeyPatch) -> N
     tiny_project(folder)
     monkeypatch.chdir(folder)
     code = compile(block.text, str(block), "exec", flags=ast.PyCF_ONLY_AST)
+    assert code.body, f"{block}: a python block without a statement checks nothing"
     exec(compile(code, str(block), "exec"), {"__name__": f"docs_{block.page}"})
 
 
 def check_yaml(block: Block, folder: Path) -> None:
     data = read_yaml(block.text)
     assert isinstance(data, dict), f"{block}: not a mapping of config sections"
+    assert data, f"{block}: an empty YAML block checks nothing"
     sweep = data.pop("sweep", None)
     if sweep is not None:
         from ups_optuna import parse_sweep  # the sweep section is ups-optuna's
@@ -134,36 +146,73 @@ def check_yaml(block: Block, folder: Path) -> None:
         registry.select(family, choice.name, choice.options, section)
 
 
-def check_command(block: Block, command: str) -> None:
-    words = shlex.split(command, comments=True)
-    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):  # VAR=value command
-        words.pop(0)
+def check_command(block: Block, words: list[str]) -> bool:
+    """Check one simple command, its words as the shell splits them; whether there was anything
+    to check in it (a ``ups`` command, a ``nox -s`` session, a ``./path``)."""
+    while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):  # NAME=value command
+        words = words[1:]
     if words[:1] in (["srun"], ["sudo"]):
-        words.pop(0)
-    if not words:
-        return
-    if words[0] == "ups":
+        words = words[1:]
+    checked = words[:1] == ["ups"] or (words[:1] == ["nox"] and "-s" in words)
+    if words[:1] == ["ups"]:
         args = words[1:]
         if args and args[0] not in _COMMANDS:
             assert args[0] in load_plugins().records("command"), (
                 f"{block}: no command 'ups {args[0]}' (its plugin is not installed?)"
             )
         _parser(args).parse_args(args)
-    elif words[0] == "nox" and "-s" in words:
+    elif words[:1] == ["nox"] and "-s" in words:
         session = words[words.index("-s") + 1]
         assert session in NOX_SESSIONS, f"{block}: no nox session {session!r}"
     for word in words:
         if word.startswith("./"):
             assert (ROOT / word).exists(), f"{block}: {word} does not exist"
+            checked = True
+    return checked
 
 
-def commands(block: Block) -> list[str]:
-    """The commands of a shell block: a console block's ``$`` lines, every line of a bash block,
-    continuation lines joined."""
+def commands(block: Block) -> list[list[str]]:
+    """The simple commands of a shell block, each as its words: from a console block's ``$``
+    lines, from every line of a bash block; continuation lines joined, comments dropped, a line
+    split at ``&&``, ``||``, ``;`` and ``|``."""
     text = block.text.replace("\\\n", " ")
     if block.language == "console":
-        return [line[2:] for line in text.splitlines() if line.startswith("$ ")]
-    return [line for line in text.splitlines() if line.strip()]
+        lines = [line[2:] for line in text.splitlines() if line.startswith("$ ")]
+    else:
+        lines = text.splitlines()
+    found: list[list[str]] = []
+    for line in lines:
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        words: list[str] = []
+        for token in [*lexer, ";"]:
+            if token and set(token) <= set(";&|"):
+                found += [words] if words else []
+                words = []
+            else:
+                words.append(token)
+    return found
+
+
+def test_a_shell_block_s_commands_are_its_simple_commands() -> None:
+    def shell(language: str, text: str) -> list[list[str]]:
+        return commands(Block("test.md", 1, language, text, None, None))
+
+    assert shell("console", "$ A_1=x B='y z' ups plugins  # comment\nrecord  name\n") == [
+        ["A_1=x", "B=y z", "ups", "plugins"]
+    ]
+    assert shell("bash", "python3 -m venv v && . v/bin/activate; ups \\\n  plugins | cat\n") == [
+        ["python3", "-m", "venv", "v"],
+        [".", "v/bin/activate"],
+        ["ups", "plugins"],
+        ["cat"],
+    ]
+    assert shell("console", "ups plugins\n") == []  # output only: fails the block
+    assert shell("bash", "# ups plugins\n\n") == []  # comments only: fails the block
+    assert not check_command(Block("test.md", 1, "bash", "", None, None), ["tensorboard"])
+    with pytest.raises(UsageError):  # the NAME=value prefix skipped, ups's parser says no
+        check_command(Block("test.md", 1, "bash", "", None, None), ["A=1", "ups", "train"])
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
@@ -181,11 +230,15 @@ def test_block(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     elif block.language == "yaml":
         check_yaml(block, tmp_path)
     elif block.language == "toml":
-        tomllib.loads(block.text)
+        assert tomllib.loads(block.text), f"{block}: an empty TOML block checks nothing"
     elif block.language == "json":
         json.loads(block.text)
     elif block.language in ("bash", "console"):
-        for command in commands(block):
-            check_command(block, command)
+        found = commands(block)
+        assert found, f"{block}: " + NO_COMMAND[block.language]
+        checked = [check_command(block, words) for words in found]
+        assert any(checked), (
+            f"{block}: no ups, nox -s or ./path command to check (<!-- not-run: WHY -->?)"
+        )
     else:
         assert block.language == "text", f"{block}: a block of {block.language or 'no language'}"
