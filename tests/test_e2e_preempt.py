@@ -19,7 +19,6 @@ from ups.core.testing import assert_bitwise_equal
 
 SIGNALLING_MODEL = """
 import os
-import re
 import signal
 
 import torch
