@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ import attrs
 import pytest
 from vast_server import VastServer
 
-from ups.cloud.startup import StartupScript
+from ups.cloud.startup import EXIT_FILE, LOG_FILE
 from ups.cloud.vastai import VastAIError, VastAILauncher, VastAILauncherOptions
 from ups.core import LaunchRequest, UsageError
 from ups.core.testing import tiny_project
@@ -25,7 +28,7 @@ KEY = "planted-vast-key-5f3a9c1e"
 
 @pytest.fixture
 def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[VastServer]:
-    tiny_project(tmp_path / "configs")
+    tiny_project(tmp_path / "configs", distributed={"backend": "gloo", "timeout_s": 60})
     (tmp_path / "configs" / "run.yaml").rename(tmp_path / "configs" / "tiny.yaml")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("VAST_API_KEY", KEY)
@@ -167,14 +170,43 @@ def test_a_wrong_key_is_a_clear_usage_error(
     assert server.instances == {}
 
 
-def test_rate_limits_are_retried_with_backoff(server: VastServer) -> None:
+def searches(server: VastServer) -> int:
+    return sum(1 for method, _p, _h, _b in server.requests if method == "POST")
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "waited"),
+    [
+        ("1", 1.0 + 1.0 + 1.0),  # as the server says, after each 429
+        (None, 0.15 + 0.225 + 0.15),  # the client's own: 0.15 s, then 1.5 times longer
+    ],
+)
+def test_rate_limits_are_retried_with_backoff(
+    server: VastServer, retry_after: str | None, waited: float
+) -> None:
+    server.faults["retry_after"] = retry_after
     server.faults["rate_limit"] = {r"POST /api/v0/bundles/": 2, r"PUT /api/v0/asks/": 1}
+    start = time.monotonic()
     handle = launcher(server).submit(request())
+    assert time.monotonic() - start >= waited * 0.95
     assert handle == "vastai:9001"
-    assert sum(1 for m, p, _h, _b in server.requests if m == "POST") == 3
+    assert searches(server) == 3 and len(creates(server)) == 2  # each 429 tried again
+    assert server.faults["rate_limit"] == {r"POST /api/v0/bundles/": 0, r"PUT /api/v0/asks/": 0}
     server.faults["rate_limit"] = {r"POST /api/v0/bundles/": 100}
     with pytest.raises(VastAIError, match=r"rate limited \(HTTP 429\) after retrying"):
         launcher(server, retries=2).submit(request())
+    assert searches(server) == 3 + 2  # retries counts the attempts
+
+
+def test_a_long_retry_after_is_not_waited_out(server: VastServer) -> None:
+    server.faults.update(retry_after="120", rate_limit={r"POST /api/v0/bundles/": 1})
+    with pytest.raises(VastAIError) as caught:
+        launcher(server).submit(request())
+    assert str(caught.value) == (
+        "vastai: search offers: rate limited (HTTP 429); the server asks to wait 120 s "
+        "(Retry-After), so the client did not retry: try again then"
+    )
+    assert searches(server) == 1  # not tried again
 
 
 def test_server_errors_are_one_line(server: VastServer) -> None:
@@ -221,34 +253,86 @@ def test_a_bad_handle_is_a_usage_error(server: VastServer) -> None:
         launcher(server).status("slurm:12")
 
 
-@pytest.mark.parametrize(("action", "exit_status"), [("stop", "0"), ("destroy", "3")])
-def test_the_machine_stops_itself_with_the_real_cli(
-    server: VastServer, tmp_path: Path, action: str, exit_status: str
+def onstart(server: VastServer) -> str:
+    """The on-start script of the last instance created, as the server got it."""
+    return str(creates(server)[-1]["onstart"])
+
+
+def test_the_script_carries_the_config_and_the_listed_files(server: VastServer) -> None:
+    config, model = (Path("configs", name).read_text() for name in ("tiny.yaml", "tiny.py"))
+    launcher(server, files=["configs/tiny.py"]).submit(request())
+    script = onstart(server)
+    # Written on the machine at their paths here, so the config's tiny.py:build_model (relative
+    # to the config) names the model file there too.
+    assert f"printf '%s' {shlex.quote(config)} > configs/tiny.yaml" in script
+    assert f"printf '%s' {shlex.quote(model)} > configs/tiny.py" in script
+    assert "-m ups.core train configs/tiny.yaml" in script
+    # The local absolute run folder means nothing there: the machine's is under its workdir.
+    assert "-o run.output_dir=/root/ups/runs" in script
+    # A config named by its absolute path here goes to its path relative to this folder.
+    absolute = attrs.evolve(request(), config=Path.cwd() / "configs" / "tiny.yaml")
+    launcher(server, files=["configs/tiny.py"]).submit(absolute)
+    assert onstart(server) == script
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        (["configs/nope.py"], "files: cannot read configs/nope.py: No such file or directory"),
+        (["../tiny.py"], "files: '../tiny.py' must be a path relative to the working directory"),
+        (["/etc/hostname"], "files: '/etc/hostname' must be a path relative to the working"),
+    ],
+)
+def test_a_file_that_cannot_be_sent_is_a_usage_error(
+    server: VastServer, files: list[str], message: str
 ) -> None:
-    """The script's shutdown command, run as the machine would (``$CONTAINER_ID`` and
-    ``$CONTAINER_API_KEY`` set by VastAI), with the real ``vastai`` CLI."""
-    vast = launcher(server, shutdown_action=action)
+    vast = launcher(server, files=files)
+    for action in (vast.dry_run, vast.submit):
+        with pytest.raises(UsageError, match=re.escape(message)):
+            action(request())
+    assert server.instances == {}
+
+
+@pytest.mark.parametrize("action", ["stop", "destroy"])
+def test_the_machine_trains_the_config_and_stops_itself_with_the_real_cli(
+    server: VastServer, tmp_path: Path, action: str
+) -> None:
+    """The on-start script the server got, run as the machine would (in a folder here for
+    ``/root/ups``; ``$CONTAINER_ID`` and ``$CONTAINER_API_KEY`` set by VastAI), stopping its
+    instance with the real ``vastai`` CLI. Without the model file in ``files`` training fails."""
+    files = ["configs/tiny.py"] if action == "stop" else []
+    vast = launcher(server, shutdown_action=action, files=files)
     handle = vast.submit(request())
-    req = attrs.evolve(request(), run_dir=tmp_path / "run")
-    run_dir = Path(StartupScript(request=req).run_dir)
-    run_dir.mkdir(parents=True)
-    (run_dir / "startup.exit").write_text(exit_status + "\n")
+    machine = tmp_path / "machine"
+    script = onstart(server).replace("/root/ups", str(machine))
     env = {k: v for k, v in os.environ.items() if k != "VAST_API_KEY"}
     env.update(
         CONTAINER_ID="9001",
         CONTAINER_API_KEY=KEY,
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
     )
-    command = vast.shutdown_command(req)
-    assert KEY not in command and "--api-key" not in command
+    assert KEY not in script and "--api-key" not in script
     done = subprocess.run(
-        ["bash", "-c", command], env=env, capture_output=True, text=True, timeout=60
+        ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd="/"
     )
-    assert done.returncode == 0, done.stderr
     assert KEY not in done.stdout + done.stderr
+    runs = machine / "runs"
+    log = (runs / LOG_FILE).read_text()
+    status = (runs / EXIT_FILE).read_text().strip()
+    labels = [
+        json.loads(b)["label"] for m, _p, _h, b in server.requests if m == "PUT" and b"label" in b
+    ]
+    assert labels[-1] == f"ups-exit-{status}"
     if action == "stop":
+        assert done.returncode == 0 and status == "0", log[-3000:]
+        assert sorted((runs / "tiny" / "checkpoints").glob("step-*.pt")), "no checkpoint"
+        assert (machine / "configs" / "tiny.yaml").read_text() == Path(
+            "configs/tiny.yaml"
+        ).read_text()
         assert server.instances[9001]["label"] == "ups-exit-0"
         assert vast.status(handle) == "SUCCEEDED"
     else:
+        assert done.returncode != 0 and status != "0"
+        assert f"no such file: {machine}/configs/tiny.py" in log  # the config's model file
         assert server.live() == [] and server.destroyed == [9001]
         assert vast.status(handle) == "CANCELLED"

@@ -13,8 +13,8 @@
 - ``PUT /api/v0/instances/request_logs/ID/`` (``instances.logs``): ``{"result_url": URL}``,
   then ``GET URL`` (plain ``requests.get``, no key): the log text.
 
-State lives in memory; ``faults`` makes it answer 401, 429 (``n`` times, then normally), 500,
-or keeps instances ``loading`` for ever. Every request's headers and body are kept in
+State lives in memory; ``faults`` makes it answer 401, 429 (``n`` times, then normally, with
+a ``Retry-After`` header if one is set), 500, or keeps instances ``loading`` for ever. Every request's headers and body are kept in
 ``requests`` so that a test can check what was sent.
 """
 
@@ -54,8 +54,8 @@ class VastServer:
         self.destroyed: list[int] = []
         self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
         self.faults: dict[str, Any] = {}
-        """``unauthorized``: True; ``rate_limit``: {path regex: n}; ``error``: {regex: code};
-        ``never_ready``: True."""
+        """``unauthorized``: True; ``rate_limit``: {path regex: n}; ``retry_after``: the 429's
+        ``Retry-After`` value (default: none); ``error``: {regex: code}; ``never_ready``: True."""
         self.logs: dict[int, str] = {}
         self.lock = threading.Lock()
         self._next_id = 9000
@@ -89,7 +89,12 @@ class VastServer:
         for pattern, left in self.faults.get("rate_limit", {}).items():
             if re.search(pattern, f"{method} {path}") and left > 0:
                 self.faults["rate_limit"][pattern] = left - 1
-                return 429, {"error": "rate_limited"}, {"Retry-After": "0"}
+                after = self.faults.get("retry_after")
+                return (
+                    429,
+                    {"error": "rate_limited"},
+                    {} if after is None else {"Retry-After": after},
+                )
         for pattern, code in self.faults.get("error", {}).items():
             if re.search(pattern, f"{method} {path}"):
                 return code, {"error": "server_error"}, {}

@@ -27,6 +27,10 @@ Every value is shell-quoted, and commands the user gives (``data_step``,
 structure. Secrets are never written into the script: a step that needs one reads it from its
 environment (``$NAME``), where the launcher puts it (VastAI's ``--env``, say); ``render``
 refuses to produce a script that contains the value of any variable named in ``env_names``.
+
+A launcher that ships the project from this machine to its machines builds the script from
+:func:`machine_request` (the request as the machine runs it) and :func:`machine_files` (the
+config and the files the user lists, read here).
 """
 
 from __future__ import annotations
@@ -88,15 +92,73 @@ def _check_packages(_i: object, _a: object, packages: Mapping[str, str] | None) 
             )
 
 
+def _inside(path: str) -> bool:
+    """Whether ``path`` is relative and stays inside the folder it is relative to."""
+    return (
+        bool(path) and not posixpath.isabs(path) and ".." not in posixpath.normpath(path).split("/")
+    )
+
+
 def _check_files(_i: object, _a: object, files: Mapping[str, str]) -> None:
     for path in files:
-        parts = posixpath.normpath(path).split("/")
-        if not path or posixpath.isabs(path) or ".." in parts:
+        if not _inside(path):
             raise UsageError(f"files: {path!r} must be a relative path inside workdir")
 
 
 def _as_tuple(names: Iterable[str]) -> tuple[str, ...]:
     return (names,) if isinstance(names, str) else tuple(names)
+
+
+MACHINE_RUN_DIR = Path("runs")
+"""The run folder on a machine, under its workdir, when the request's is an absolute path."""
+
+
+def _machine_config(config: Path) -> str:
+    """Where the config goes under a machine's workdir: its path relative to the working
+    directory, or its name when it lies outside it."""
+    path = config
+    if path.is_absolute():
+        try:
+            path = path.relative_to(Path.cwd())
+        except ValueError:
+            return config.name
+    text = path.as_posix()
+    return posixpath.normpath(text) if _inside(text) else config.name
+
+
+def machine_request(request: LaunchRequest) -> LaunchRequest:
+    """``request`` as a machine runs it, in its workdir, where :func:`machine_files` puts the
+    config: the config at its path relative to the working directory here (its name when it
+    lies elsewhere), and the run folder ``run_dir`` when relative, else ``runs`` (a local
+    absolute path means nothing on the machine)."""
+    run_dir = MACHINE_RUN_DIR if request.run_dir.is_absolute() else request.run_dir
+    return attrs.evolve(request, config=Path(_machine_config(request.config)), run_dir=run_dir)
+
+
+def machine_files(request: LaunchRequest, paths: Iterable[str] = ()) -> dict[str, str]:
+    """The files a machine needs under its workdir, read now: the request's config (where
+    :func:`machine_request` names it, so that the relative ``file.py:callable`` paths in it
+    mean the same there) and each of ``paths``: files relative to the working directory (a
+    model module, ...), written at the same relative path.
+
+    :raises UsageError: naming a path that is not relative and inside the working directory,
+        or a file that cannot be read.
+    """
+    files = {_machine_config(request.config): _read(request.config, "config")}
+    for path in _as_tuple(paths):
+        if not _inside(str(path)):
+            raise UsageError(
+                f"files: {str(path)!r} must be a path relative to the working directory, inside it"
+            )
+        files[posixpath.normpath(str(path))] = _read(Path(path), "files")
+    return files
+
+
+def _read(path: Path, what: str) -> str:
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise UsageError(f"{what}: cannot read {path}: {error.strerror}") from None
 
 
 def _check_env_names(_i: object, _a: object, names: tuple[str, ...]) -> None:

@@ -3,11 +3,15 @@
 ``submit`` searches the offers (``POST /bundles/``: GPU name and count, GPU RAM, reliability,
 price cap; cheapest first), creates one instance per machine (``PUT /asks/OFFER/``) with
 ``image`` and the start-up script of :mod:`ups.cloud.startup` as its on-start command, and waits
-until every instance is ``running`` (``GET /instances/ID/``). ``status`` reads the instances,
+until every instance is ``running`` (``GET /instances/ID/``). The script carries the config
+and the files listed in ``files`` (read at launch), which it writes under ``/root/ups`` on the
+machine before training there into ``/root/ups/runs`` (or the request's relative ``run_dir``). ``status`` reads the instances,
 ``logs`` fetches their logs (``PUT /instances/request_logs/ID/``, then the ``result_url`` it
 names) and ``cancel`` destroys them (``DELETE /instances/ID/``). All of it goes through the
-maintained ``vastai`` package's API layer (``vastai.api``: its ``VastClient``, which retries
-429 and 502/503/504 with backoff, honouring ``Retry-After``), pointed at ``url``.
+maintained ``vastai`` package's API layer (``vastai.api``: its ``VastClient``), pointed at
+``url``. The client tries a request up to ``retries`` times while it is answered 429 or
+502/503/504: it waits what ``Retry-After`` says (a wait over 60 s is not retried), else 0.15 s,
+then 1.5 times longer each time.
 
 The handle is ``vastai:ID1,ID2,...``: the instance ids, the first one the rendezvous host.
 
@@ -42,7 +46,7 @@ from ups.core import LaunchRequest, UsageError
 from ups.core.config import load_config
 
 from ._secrets import ApiKey
-from .startup import EXIT_FILE, StartupScript
+from .startup import EXIT_FILE, StartupScript, _as_tuple, machine_files, machine_request
 
 log = structlog.get_logger()
 
@@ -53,6 +57,8 @@ EXIT_LABEL = "ups-exit-"
 """The label the start-up script gives its instance at the end, followed by the exit status."""
 VASTAI_PIN = "vastai==1.9.1"
 """What the start-up script installs on the machine to stop its instance."""
+MAX_RETRY_AFTER_S = 60.0
+"""The longest ``Retry-After`` the ``vastai`` client waits out; it does not retry a longer one."""
 _NEAREST = 3
 _T = TypeVar("_T")
 
@@ -96,7 +102,8 @@ class VastAILauncherOptions:
     """How long an instance may take to be ``running`` before all are destroyed."""
     poll_s: float = attrs.field(default=10.0, validator=_positive)
     retries: int = attrs.field(default=6, validator=_positive)
-    """Attempts per request on 429 and 502/503/504 (the client backs off between them)."""
+    """Attempts per request answered 429 or 502/503/504 (the client waits between them: see
+    the module doc)."""
     upload_url: str | None = None
     """An fsspec URL the run folder is uploaded to at the end (see :mod:`ups.cloud.startup`)."""
     auto_shutdown: bool = True
@@ -105,8 +112,10 @@ class VastAILauncherOptions:
     """``stop`` keeps the disk, the logs and the exit label; ``destroy`` removes everything."""
     packages: Mapping[str, str] | None = None
     """Distributions to install on the machine at exact versions (name -> version)."""
-    files: Mapping[str, str] = attrs.field(factory=dict)
-    """Files the script writes on the machine first (see :class:`StartupScript`)."""
+    files: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    """Further files the run needs (e.g. a model module), as paths relative to the working
+    directory: read at launch and written on each machine at the same relative path, beside
+    the config (see :func:`ups.cloud.startup.machine_files`)."""
     data_step: str | None = None
     rdzv_port: int = 29500
     label: str = "ups"
@@ -124,12 +133,27 @@ def _http_error(action: str, error: Exception) -> Exception:
                 "check the key in the environment variable or file the options name"
             )
         if code == 429:
+            after = (
+                error.response.headers.get("Retry-After") if error.response is not None else None
+            )
+            if after is not None and _seconds(after) > MAX_RETRY_AFTER_S:
+                return VastAIError(
+                    f"vastai: {action}: rate limited (HTTP 429); the server asks to wait "
+                    f"{after} s (Retry-After), so the client did not retry: try again then"
+                )
             return VastAIError(
                 f"vastai: {action}: rate limited (HTTP 429) after retrying with backoff; "
                 "try again later"
             )
         return VastAIError(f"vastai: {action}: the server answered HTTP {code}")
     return VastAIError(f"vastai: {action}: {type(error).__name__}")
+
+
+def _seconds(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0  # not a number: the client backs off by itself
 
 
 def _retry(action: str, call: Callable[[], _T]) -> _T:
@@ -231,8 +255,8 @@ class VastAILauncher:
             assert rdzv is not None
             host, port = rdzv
         startup = StartupScript(
-            request=request,
-            files=o.files,
+            request=machine_request(request),
+            files=machine_files(request, o.files),
             packages=o.packages,
             data_step=o.data_step,
             nproc_per_node=self._num_gpus(request),
@@ -252,7 +276,7 @@ class VastAILauncher:
         """What the script runs at the end: label the instance with the exit status, then stop
         (or destroy) it, with the container's own key in the CLI's environment."""
         o = self.options
-        run_dir = StartupScript(request=_single(request)).run_dir
+        run_dir = StartupScript(request=_single(machine_request(request))).run_dir
         exit_file = shlex.quote(f"{run_dir}/{EXIT_FILE}")
         cli = f'VAST_API_KEY="$CONTAINER_API_KEY" VAST_URL={shlex.quote(o.url)} vastai'
         action = "destroy instance -y" if o.shutdown_action == "destroy" else "stop instance"

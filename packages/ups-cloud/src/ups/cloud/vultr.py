@@ -55,7 +55,7 @@ from ups.core import LaunchRequest, UsageError, above
 from ups.core.config import load_config
 
 from ._secrets import ApiKey
-from .startup import EXIT_FILE, LOG_FILE, StartupScript
+from .startup import EXIT_FILE, LOG_FILE, StartupScript, _as_tuple, machine_files, machine_request
 
 log = structlog.get_logger()
 
@@ -125,9 +125,10 @@ class VultrLauncherOptions:
     """A shell command run on each machine before training."""
     nproc_per_node: int | Literal["gpu"] | None = "gpu"
     """Processes per machine: a number, ``"gpu"`` (one per GPU) or ``None`` (the request's)."""
-    files: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    """Further local files (relative paths, e.g. a model module) written on each machine at
-    the same relative path, beside the config."""
+    files: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    """Further files the run needs (e.g. a model module), as paths relative to the working
+    directory: read at launch and written on each machine at the same relative path, beside
+    the config (see :func:`ups.cloud.startup.machine_files`)."""
     label_prefix: str = "ups"
     """Instances are labelled ``<label_prefix>-<run name>-<machine rank>``."""
 
@@ -444,23 +445,12 @@ class VultrLauncher:
 
     def _script(self, request: LaunchRequest, name: str, rank: int, host: str | None) -> str:
         o = self.options
-        files = {"config.yaml": _read(request.config)}
-        for path in o.files:
-            files[path] = _read(Path(path))
-        run_dir = request.run_dir if not request.run_dir.is_absolute() else Path("runs")
         upload = o.upload_url
         if upload is not None and rank > 0:
             upload = f"{upload.rstrip('/')}/nodes/{rank}"
-        machine_request = LaunchRequest(
-            config=Path("config.yaml"),
-            nproc_per_node=request.nproc_per_node,
-            nnodes=request.nnodes,
-            overrides=request.overrides,
-            run_dir=run_dir,
-        )
         script = StartupScript(
-            request=machine_request,
-            files=files,
+            request=machine_request(request),
+            files=machine_files(request, o.files),
             python=o.python,
             packages=o.packages,
             data_step=o.data_step,
@@ -607,13 +597,6 @@ def _ended(exit_status: str | None, *, otherwise: State) -> State:
     if exit_status is None:
         return otherwise
     return "SUCCEEDED" if exit_status.strip() == "0" else "FAILED"
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as error:
-        raise UsageError(f"cannot read {path}: {error.strerror}") from None
 
 
 def _is_gpu(plan_id: str, plan: Mapping[str, Any]) -> bool:
