@@ -1,8 +1,8 @@
 """``ups launch``, ``status``, ``logs`` and ``cancel`` with the ``vastai`` and ``vultr``
 launchers, each command a process of its own (as from later shells), against the loopback
-servers: a two-machine job from the dry run to its end, and a refused key. A key planted in the
-environment appears in nothing any of them prints or writes, nor in what they send but the
-authorization header."""
+servers: a two-machine job from the dry run to its end, a stopped Vultr job (ended, still
+billing), and a refused key. A key planted in the environment appears in nothing any of them
+prints or writes, nor in what they send but the authorization header."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 import pytest
 import vultr_server
 from vast_server import VastServer
 
+from ups.cloud import local, slurm, vastai, vultr
+from ups.core.launch_record import TERMINAL
 from ups.core.testing import run_ups, tiny_project
 
 VAST_KEY = "planted-vast-key-0c4d81b7e2"
@@ -188,3 +190,31 @@ def test_a_refused_key_is_one_line_and_leaves_nothing_running(
     status, _, err = ups(project, seen, "launch", "run.yaml")
     assert status == 2 and f"no API key in ${cloud.env}" in err, err
     assert cloud.live() == 0
+
+
+@pytest.mark.parametrize("cloud", ["vultr"], indirect=True)
+def test_following_a_stopped_job_ends_saying_it_still_bills(
+    project: Path, cloud: Vultr, seen: list[str]
+) -> None:
+    """The machine shut itself down but its upload never came (STOPPED): the job has ended,
+    yet the instance is kept, and billed, until ``ups cancel``."""
+    status, _, err = ups(project, seen, "launch", "run.yaml", "--nproc", "2")
+    assert status == 0, err
+    cloud.server.stop_all()
+    status, _, err = ups(project, seen, "logs", "tiny", "--follow", "--interval", "0.1")
+    billed = "its machines are kept, and billed, until `ups cancel tiny` deletes them"
+    assert status == 1, err
+    assert err.strip().splitlines()[-1] == f"ups: tiny: STOPPED: the job has ended, but {billed}"
+    assert cloud.live() == 1
+    status, out, err = ups(project, seen, "status", "tiny")
+    assert (status, out) == (0, "STOPPED\n") and billed in err
+    assert ups(project, seen, "cancel", "tiny")[:2] == (0, "CANCELLED\n")
+    assert cloud.live() == 0
+    assert [t for t in seen if cloud.key in t] == []
+
+
+def test_every_state_of_a_launcher_ends_a_follow_or_is_a_live_one() -> None:
+    """``ups logs --follow`` returns at the TERMINAL states and waits out the others: a state
+    a launcher adds must be one or the other deliberately."""
+    for module in (local, slurm, vastai, vultr):
+        assert set(get_args(module.State)) - set(TERMINAL) <= {"PENDING", "RUNNING"}, module

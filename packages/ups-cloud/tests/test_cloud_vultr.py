@@ -192,14 +192,17 @@ def test_a_refused_key_is_a_one_line_usage_error(
 
 def test_429_is_retried_after_retry_after_and_500_with_backoff(server: VultrServer) -> None:
     server.faults += [
-        ("GET", "/plans", 500, {}),
+        *[("GET", "/plans", 500, {})] * 3,
         ("POST", "/instances", 429, {"Retry-After": "1"}),
         ("GET", "/instances/", 503, {}),
     ]
     start = time.monotonic()
-    vultr = launcher(server)
+    vultr = launcher(server, backoff_s=0.25)
     handle = vultr.submit(request())
-    assert time.monotonic() - start >= 0.9  # waited as told
+    # The 500s: 0 s, then 2 x 0.25 s, then 4 x 0.25 s (urllib3's backoff); the 429: as told.
+    assert time.monotonic() - start >= (0 + 0.5 + 1.0 + 1.0) * 0.95
+    plans = [r for r in server.requests if r["path"] == "/plans"]
+    assert len(plans) == 3 + 2  # each 500 tried again, then the list's 2 pages
     assert len(posts(server)) == 2 and len(server.instances) == 1  # one 429, one create
     assert server.faults == []
     vultr.cancel(handle)
