@@ -1,5 +1,7 @@
-"""A user installs one plugin distribution into a fresh venv: it brings ups-dist-core and torch,
-and nothing of the other ups distributions."""
+"""A user installs one distribution into a fresh venv, from its folder: a package of packages/
+brings ups-dist-core and torch along; a plugin of plugins/, written as a third party would, is
+installed with ups-dist-core beside it (not published). Nothing of the other ups distributions
+comes with either."""
 
 from __future__ import annotations
 
@@ -7,7 +9,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+UPS = {
+    "ups-dist-core",
+    "ups-samplers",
+    "ups-ckpt",
+    "ups-comm-hooks",
+    "ups-cloud",
+    "ups-blocks",
+    "ups-tensorboard",
+    "ups-optuna",
+}
+"""Every distribution of this repository."""
+CORE_ROW = ["sampler", "torch", "ups-dist-core", "ups-dist-core", "0.1.0", "enabled"]
+PLUGINS = (
+    "from ups.core import load_plugins\n"
+    "for p in load_plugins().plugins: print(p.name, p.distribution, p.status)"
+)
+"""Prints each plugin ``ups`` finds (its entry point loaded, or failed), with its status."""
 
 
 def run(*args: str | Path, cwd: Path) -> str:
@@ -18,26 +39,58 @@ def run(*args: str | Path, cwd: Path) -> str:
     return result.stdout
 
 
-def test_installing_ups_samplers_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("folders", "plugins", "rows"),
+    [
+        pytest.param(
+            ["packages/ups-samplers"],
+            {"ups-samplers": "ups-samplers"},
+            [["sampler", "tensor", "ups-samplers", "ups-samplers", "0.1.0", "enabled"]],
+            id="ups-samplers",
+        ),
+        pytest.param(
+            ["packages/ups-dist-core", "plugins/ups-blocks"],
+            {"blocks": "ups-blocks"},
+            [["sampler", "blocks", "blocks", "ups-blocks", "0.1.0", "enabled"]],
+            id="ups-blocks",
+        ),
+        pytest.param(  # hooks only: no record, so `ups plugins` has no row of its own
+            ["packages/ups-dist-core", "plugins/ups-tensorboard"],
+            {"tensorboard": "ups-tensorboard"},
+            [],
+            id="ups-tensorboard",
+        ),
+    ],
+)
+def test_installing_one_distribution_alone(
+    folders: list[str], plugins: dict[str, str], rows: list[list[str]], tmp_path: Path
+) -> None:
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
     python = venv / "bin" / "python"
-    # torch pinned to the build on this machine's disk; ups-samplers itself asks for any torch >= 2.2
-    run(
+    # torch pinned to the build on this machine's disk (the distributions ask for any torch >=
+    # 2.2), the rest by the constraints nox installs with, so that pip resolves at once
+    constraints = ROOT / "constraints-ci.txt"
+    folder_paths = [ROOT / folder for folder in folders]
+    pip: list[str | Path] = [
         python,
         "-m",
         "pip",
         "install",
         "-q",
+        "-c",
+        constraints,
         "torch==2.13.0",
-        ROOT / "packages" / "ups-samplers",
-        cwd=tmp_path,
-    )
+    ]
+    run(*pip, *folder_paths, cwd=tmp_path)
     installed = run(python, "-m", "pip", "list", "--format=freeze", cwd=tmp_path).lower()
     names = {line.split("==")[0] for line in installed.split()}
-    assert {"ups-dist-core", "ups-samplers", "torch"} <= names
-    assert not names & {"ups-ckpt", "ups-comm-hooks", "ups-cloud"}
+    assert "torch" in names
+    assert names & UPS == {"ups-dist-core", *plugins.values()}
+    loaded = {tuple(line.split()) for line in run(python, "-c", PLUGINS, cwd=tmp_path).splitlines()}
+    expected = {("ups-dist-core", "ups-dist-core"), *plugins.items()}
+    assert loaded == {(name, distribution, "enabled") for name, distribution in expected}
     listing = run(venv / "bin" / "ups", "plugins", cwd=tmp_path)
-    rows = [line.split() for line in listing.splitlines()]
-    assert ["sampler", "tensor", "ups-samplers", "ups-samplers", "0.1.0", "enabled"] in rows
-    assert ["sampler", "torch", "ups-dist-core", "ups-dist-core", "0.1.0", "enabled"] in rows
+    listed = [line.split() for line in listing.splitlines()]
+    for row in [CORE_ROW, *rows]:
+        assert row in listed
