@@ -7,6 +7,7 @@ namespaces); CPU training is deterministic, so "equal" is to the bit.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import random
@@ -21,8 +22,10 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from test_e2e_resume import final_state, project
 
+from ups.core.context import collective_timeout
 from ups.core.testing import assert_bitwise_equal, free_port
 
 EXIT_PREEMPTED = 75
@@ -56,14 +59,53 @@ def build_model(pid_dir=None, seen_dir=None, delay=0.0):
     return model
 """
 
-STEPS = 24
-"""3 epochs of 8 steps: 64 samples in batches of 4 on 2 ranks."""
+SCHEDULE = [
+    {"when": {"at_latest_step": 5}, "do": {"lr_multiplier": 0.5}},
+    {"when": {"at_latest_step": 10}, "do": {"accumulation_steps": 2}},
+]
+"""Two decisions: the LR halved after step 5, micro-batches taken 2 at a time after step 10."""
+
+POWERSGD = {
+    "name": "powersgd",
+    "options": {
+        "matrix_approximation_rank": 1,
+        "start_powersgd_iter": 2,
+        "min_compression_rate": 0.5,
+    },
+}
+"""Compressing (each rank's error feedback a state of its own) from the second step."""
+
+STEPS = 17
+"""3 epochs of 8 batches (64 samples in batches of 4 on 2 ranks): 8 steps, then 2 + 6 / 2, then
+8 / 2 (:data:`SCHEDULE`)."""
 
 
 def faults_project(folder: Path, **options: Any) -> Path:
     """``test_e2e_resume``'s project (``simple`` checkpoints every 3 steps, keep 5) for all
-    24 steps, with :data:`MODEL`."""
-    return project(folder, STEPS, "none", model=MODEL, model_options=options or None)
+    :data:`STEPS`, with :data:`MODEL`, and every part of the state a resume restores: the
+    ``tensor`` sampler (its position in the epoch), a StepLR scheduler, :data:`SCHEDULE`'s
+    decisions and :data:`POWERSGD`."""
+    config = project(
+        folder,
+        STEPS,
+        "none",
+        "tensor",
+        model=MODEL,
+        model_options=options or None,
+        comm_hook=POWERSGD,
+        scheduler="StepLR",
+        scheduler_options={"step_size": 4, "gamma": 0.7},
+    )
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "schedule": SCHEDULE}))
+    return config
+
+
+def watched_project(folder: Path, **options: Any) -> tuple[Path, Path]:
+    """:func:`faults_project` whose ranks write their pids into ``folder/pids``; return the
+    config and that folder."""
+    pids = folder / "pids"
+    pids.mkdir()
+    return faults_project(folder, pid_dir=str(pids), **options), pids
 
 
 def ups_train(
@@ -93,10 +135,32 @@ def events(config: Path, name: str, rank: int = 0) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, lines) if e.get("event") == name]
 
 
+STATE = (
+    *("model", "optimizer", "scheduler", "scaler", "schedule", "sampler"),
+    *("step", "epoch", "epoch_left", "rng", "ranks"),
+)
+"""The training state in a checkpoint (``ranks``: each rank's generators and comm hook state)."""
+
+
 def assert_equal_to(reference: dict[str, Any], config: Path) -> None:
     found = final(config)
-    for key in ("model", "optimizer", "scheduler", "step", "epoch", "rng", "ranks"):
+    for key in STATE:
         assert_bitwise_equal(found[key], reference[key], key)
+
+
+def fired_at(config: Path, rank: int) -> float:
+    """When (``time.time()``) the fault injected on ``rank`` fired."""
+    (fault,) = events(config, "fault injected", rank)
+    return datetime.datetime.fromisoformat(fault["timestamp"]).timestamp()
+
+
+def assert_all_gone_within(seconds: float, config: Path, rank: int, pids: Path) -> None:
+    """Every rank (their pids in ``pids``) has exited, within ``seconds`` of ``rank``'s fault."""
+    took = time.time() - fired_at(config, rank)
+    assert took < seconds, f"the ranks took {took:.1f} s to stop"
+    for pid in (int(p.name) for p in pids.iterdir()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
@@ -121,24 +185,34 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert done.returncode == 0, done.stderr[-3000:]
     state = final(config)
     assert state["step"] == STEPS
+    # Every part of the state is one a resume must restore, not its initial value.
+    assert [fired["rule"] for fired in state["schedule"]["fired"]] == [0, 1]
+    assert state["scheduler"]["last_epoch"] == STEPS
+    assert state["sampler"]
+    assert all(own["comm_hook"]["error_dict"] for own in state["ranks"])
     return state
 
 
 _trials = random.Random(8)
-KILLS = [(_trials.randrange(2), _trials.randrange(2, STEPS)) for _ in range(3)]
+KILLS = [
+    (0, _trials.randrange(4, 10), "kill"),  # resumed before the schedule's second decision
+    (1, _trials.randrange(11, STEPS + 1), "kill"),  # after both
+    (_trials.randrange(2), _trials.randrange(4, STEPS + 1), "kill_backward"),
+]
+"""(rank, step, fault): each after the first checkpoint (step 3), so that the job resumes."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("rank", "step"), KILLS)
+@pytest.mark.parametrize(("rank", "step", "fault"), KILLS)
 def test_kill_9_of_one_worker_at_a_random_step_restarts_and_ends_bitwise_equal(
-    tmp_path: Path, reference: dict[str, Any], rank: int, step: int
+    tmp_path: Path, reference: dict[str, Any], rank: int, step: int, fault: str
 ) -> None:
     config = faults_project(tmp_path)
-    done = ups_train(config, "--max-restarts", "1", faults=f"kill@{rank}:{step}")
+    done = ups_train(config, "--max-restarts", "1", faults=f"{fault}@{rank}:{step}")
     assert done.returncode == 0, done.stderr[-3000:]
+    assert [e["step"] for e in events(config, "fault injected", rank)] == [step]
     saved = (step - 1) // 3 * 3  # the newest checkpoint (every 3 steps) before the kill
-    resumed = [e["step"] for e in events(config, "resumed")]
-    assert resumed == ([saved] if saved else []), done.stderr[-6000:]
+    assert [e["step"] for e in events(config, "resumed")] == [saved], done.stderr[-6000:]
     assert_equal_to(reference, config)
 
 
@@ -163,9 +237,7 @@ def test_kill_9_during_a_checkpoint_write_resumes_from_the_previous_one(
 def test_a_sigterm_to_a_worker_saves_at_the_next_step_and_the_resumed_run_ends_equal(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    config = faults_project(tmp_path, pid_dir=str(pids), delay=0.05)
+    config, pids = watched_project(tmp_path, delay=0.05)
     env = {**os.environ, "UPS_LOG_FORMAT": "json"}
     command = [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"]
     with subprocess.Popen(
@@ -189,22 +261,30 @@ def test_a_sigterm_to_a_worker_saves_at_the_next_step_and_the_resumed_run_ends_e
 def test_a_rank_asleep_in_a_step_stops_every_rank_within_the_timeout_naming_it(
     tmp_path: Path,
 ) -> None:
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    config = faults_project(tmp_path, pid_dir=str(pids))
+    config, pids = watched_project(tmp_path)
     timeout_s = 10
-    started = time.monotonic()
     done = ups_train(
         config, "-o", f"distributed.timeout_s={timeout_s}", faults="hang@1:3", timeout=90
     )
-    elapsed = time.monotonic() - started
     assert done.returncode == 1, done.stderr[-3000:]
     assert "rank 1 stopped answering" in done.stderr, done.stderr[-3000:]
     assert "rank 1 is in the forward pass of step 3" in done.stderr
-    assert elapsed < timeout_s + 30, f"took {elapsed:.0f} s"
-    for pid in (int(p.name) for p in pids.iterdir()):
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    # timeout_s, a watchdog poll, up to half the grace waiting for the marks, the agent's stop:
+    # within the process group's timeout (timeout_s and the grace) and a margin.
+    assert_all_gone_within(collective_timeout(timeout_s) + 5, config, 1, pids)
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_stops_every_rank_long_before_the_timeout_naming_it(
+    tmp_path: Path,
+) -> None:
+    config, pids = watched_project(tmp_path)
+    done = ups_train(config, "-o", "distributed.timeout_s=120", faults="error@1:4")
+    assert done.returncode == 1, done.stderr[-3000:]
+    error = "RuntimeError: injected error (injected by UPS_FAULTS on rank 1 at step 4)"
+    assert f"ups: rank 1 failed: {error}" in done.stderr, done.stderr[-3000:]
+    # Rank 0, in the backward's all-reduce, sees its peer gone (or the agent stops it).
+    assert_all_gone_within(20, config, 1, pids)
 
 
 @pytest.mark.slow

@@ -3,15 +3,18 @@
 Set ``UPS_FAULTS`` in the environment of the ranks (every process a launcher starts inherits
 it), as ``;``-separated ``KIND@RANK:STEP[,STEP...]`` items::
 
-    UPS_FAULTS="oom@1:3;error@0:7,8;kill_save@1:6"
+    UPS_FAULTS="oom@1:3;error@0:7,8;kill_save@1:6;kill_backward@0:4"
 
 ``oom`` raises :class:`torch.OutOfMemoryError` as CUDA does when memory runs out; ``error``
 raises :class:`RuntimeError`; ``kill`` sends the rank SIGKILL (as ``kill -9`` or the kernel's
 out-of-memory killer would); ``hang`` sleeps forever (a rank that stops answering). These fire
 once, in the first forward pass of the model (inside DDP's forward, where real out-of-memory
 errors happen) of the ``STEP``-th optimizer step the rank attempts, counting from 1, skipped steps
-included. ``kill_save`` sends the rank SIGKILL inside the checkpoint save of optimizer step
-``STEP``, at its first ``os.fsync`` there: its file written, the checkpoint not committed.
+included. ``kill_backward`` sends the rank SIGKILL later in that step, inside its backward pass,
+once the first module's backward is done (for a model whose gradients fill one DDP bucket,
+before their all-reduce starts). ``kill_save`` sends the rank SIGKILL inside the checkpoint
+save of optimizer step ``STEP``, at its first ``os.fsync`` there: its file written, the
+checkpoint not committed. A fault that fires logs ``fault injected`` (its kind and step) first.
 
 Faults fire in the workers' first start only: a job its launcher restarted
 (:attr:`~ups.core.context.RunContext.restart_count` above 0) runs without them. This is a testing
@@ -28,13 +31,16 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import attrs
+import structlog
 import torch
 
 from .errors import UsageError
 
+log = structlog.get_logger()
+
 ENV = "UPS_FAULTS"
-Kind = Literal["oom", "error", "kill", "hang", "kill_save"]
-KINDS: tuple[Kind, ...] = ("oom", "error", "kill", "hang", "kill_save")
+Kind = Literal["oom", "error", "kill", "hang", "kill_backward", "kill_save"]
+KINDS: tuple[Kind, ...] = ("oom", "error", "kill", "hang", "kill_backward", "kill_save")
 
 
 @attrs.frozen
@@ -85,17 +91,22 @@ class FaultInjector:
 
     def check(self, step: int) -> None:
         """Fire the fault meant for this rank's ``step``-th attempted step (raise, SIGKILL this
-        process or sleep forever), the first time it is called for that step."""
+        process, sleep forever, or have the step's backward pass SIGKILL it), the first time it
+        is called for that step."""
         if step in self._fired:
             return
         for fault in self._faults:
             if step in fault.steps and fault.kind != "kill_save":
                 self._fired.add(step)
+                log.warning("fault injected", kind=fault.kind, step=step)
                 where = f"injected by {ENV} on rank {self.rank} at step {step}"
                 if fault.kind == "oom":
                     raise torch.OutOfMemoryError(f"CUDA out of memory ({where})")
                 if fault.kind == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    _kill()
+                if fault.kind == "kill_backward":  # hooks the modules this forward pass calls
+                    torch.nn.modules.module.register_module_full_backward_hook(lambda *_: _kill())
+                    return
                 while fault.kind == "hang":
                     time.sleep(3600)
                 raise RuntimeError(f"injected error ({where})")
@@ -112,10 +123,16 @@ class FaultInjector:
 
         def killing_fsync(fd: Any) -> None:
             fsync(fd)
-            os.kill(os.getpid(), signal.SIGKILL)
+            log.warning("fault injected", kind="kill_save", step=step)
+            _kill()
 
         os.fsync = killing_fsync
         try:
             yield
         finally:
             os.fsync = fsync
+
+
+def _kill() -> None:
+    """SIGKILL this process."""
+    os.kill(os.getpid(), signal.SIGKILL)
