@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +20,15 @@ from torch.utils.data import TensorDataset
 
 from ups.core import UsageError, load_config, load_plugins
 from ups.core.testing import install_plugin, run_ups
-from ups_optuna import sweep
+from ups_optuna import link, sweep
 from ups_optuna.link import PRUNED_AT
 
-COMPLETE, PRUNED, FAIL = (
+COMPLETE, PRUNED, FAIL, RUNNING, WAITING = (
     optuna.trial.TrialState.COMPLETE,
     optuna.trial.TrialState.PRUNED,
     optuna.trial.TrialState.FAIL,
+    optuna.trial.TrialState.RUNNING,
+    optuna.trial.TrialState.WAITING,
 )
 
 
@@ -34,6 +41,16 @@ def make_data(
         keep = (torch.arange(n) % folds == fold) == held_out
         x = x[keep]
     return TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+def held_data(hold: list[int], folder: str, **options: Any) -> TensorDataset:
+    """:func:`make_data`, except in the trials numbered in ``hold``: there each rank leaves a
+    file ``folder/trial-N-rank-R`` and waits, until the test stops the sweep."""
+    trial = link.current()
+    if trial is not None and trial.trial in hold:
+        Path(folder, f"trial-{trial.trial}-rank-{os.environ['RANK']}").touch()
+        time.sleep(300)
+    return make_data(**options)
 
 
 def project(tmp_path: Path, sweep: dict[str, Any], **sections: Any) -> Path:
@@ -70,7 +87,7 @@ SPACE = {
 }
 
 
-def test_three_trials_scored_from_their_metrics_then_an_interrupted_sweep_resumes(
+def test_three_trials_are_scored_from_their_metrics_and_the_best_config_written(
     tmp_path: Path,
 ) -> None:
     config = project(tmp_path, {"params": SPACE, "pruner": {"name": "none"}})
@@ -94,25 +111,96 @@ def test_three_trials_scored_from_their_metrics_then_an_interrupted_sweep_resume
     history = tmp_path / "runs" / "sw" / "history.png"
     assert history.read_bytes().startswith(b"\x89PNG")
 
-    # A sweep killed while trial 3 ran: the trial is left RUNNING with its parameters.
-    interrupted = study.ask(
-        {
-            "training.lr": optuna.distributions.FloatDistribution(1.0e-3, 0.3, log=True),
-            "training.batch_size": optuna.distributions.CategoricalDistribution([8, 16]),
-            "eval.batch_size": optuna.distributions.IntDistribution(4, 8, step=4),
-        }
+
+def start_sweep(tmp_path: Path, *args: str, log: str) -> subprocess.Popen[bytes]:
+    """``ups sweep ARGS`` started in a session of its own (its ranks in its process group),
+    working in ``tmp_path``, its output in ``tmp_path/LOG``."""
+    with (tmp_path / log).open("wb") as output:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ups.core", "sweep", *args],
+            cwd=tmp_path,
+            env=os.environ | {"UPS_LOG_FORMAT": "json"},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_held(process: subprocess.Popen[bytes], held: Path, trial: int, log: Path) -> None:
+    """Wait until both ranks of ``trial`` are held in :func:`held_data`."""
+    deadline = time.monotonic() + 240
+    while not all((held / f"trial-{trial}-rank-{rank}").exists() for rank in (0, 1)):
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"trial {trial} never started"
+        time.sleep(0.2)
+    # the sweep and its ranks, seen where assert_nothing_left_in looks
+    assert {process.pid} < set(processes_in(held.parent))
+    assert len(processes_in(held.parent)) >= 3
+
+
+def processes_in(folder: Path) -> list[int]:
+    """The live processes working in ``folder`` or below (a sweep's ranks work where it does)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cwd = (proc / "cwd").readlink() if proc.name.isdigit() else None
+        except OSError:  # gone, or a zombie
+            continue
+        if cwd is not None and (cwd == folder or folder in cwd.parents):
+            found.append(int(proc.name))
+    return found
+
+
+def assert_nothing_left_in(folder: Path) -> None:
+    deadline = time.monotonic() + 10  # the killed ranks reaped, multiprocessing's tracker ended
+    while (left := processes_in(folder)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [(proc, Path(f"/proc/{proc}/cmdline").read_bytes()) for proc in left]
+
+
+def test_a_sweep_killed_or_interrupted_mid_trial_runs_that_trial_again_first(
+    tmp_path: Path,
+) -> None:
+    held = tmp_path / "held"
+    held.mkdir()
+    data = {"factory": f"{__file__}:held_data", "options": {"hold": [1, 2], "folder": str(held)}}
+    config = project(tmp_path, {"params": SPACE, "pruner": {"name": "none"}}, data=data)
+    args = (str(config), "--trials", "2")
+
+    # Killed, with its ranks (SIGKILL to the process group), while trial 1 trains.
+    killed = start_sweep(tmp_path, *args, log="killed.log")
+    wait_held(killed, held, 1, tmp_path / "killed.log")
+    os.killpg(killed.pid, signal.SIGKILL)
+    assert killed.wait(timeout=30) == -signal.SIGKILL
+    assert_nothing_left_in(tmp_path)
+    assert [t.state for t in load(tmp_path).get_trials()] == [COMPLETE, RUNNING]
+
+    # Run again: trial 1's parameters run first, as trial 2, which a Ctrl-C stops (SIGINT to
+    # the sweep alone, which stops the ranks).
+    interrupted = start_sweep(tmp_path, *args, log="interrupted.log")
+    wait_held(interrupted, held, 2, tmp_path / "interrupted.log")
+    interrupted.send_signal(signal.SIGINT)
+    assert interrupted.wait(timeout=60) == 130
+    last = (tmp_path / "interrupted.log").read_text().strip().splitlines()[-1]
+    assert last == (
+        "ups: sweep interrupted by SIGINT during trial 2: its parameters run first when the "
+        "same command resumes the sweep"
     )
-    result = run_ups("sweep", str(config), "--trials", "4", cwd=tmp_path, timeout=300)
+    assert_nothing_left_in(tmp_path)
+    trials = load(tmp_path).get_trials()
+    assert [t.state for t in trials] == [COMPLETE, FAIL, FAIL, WAITING]
+    assert trials[2].params == trials[1].params
+
+    # Run again: trial 2's parameters (trial 1's) run first, as trial 3, and end the sweep.
+    result = run_ups("sweep", *args, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    study = load(tmp_path)
-    assert [(t.number, t.state) for t in study.get_trials()] == [
-        (0, COMPLETE),
-        (1, COMPLETE),
-        (2, COMPLETE),
-        (3, FAIL),
-        (4, COMPLETE),
-    ]
-    assert study.trials[4].params == interrupted.params  # run again, first
+    trials = load(tmp_path).get_trials()
+    assert [t.state for t in trials] == [COMPLETE, FAIL, FAIL, COMPLETE]
+    assert trials[3].params == trials[1].params
+    losses = evals(tmp_path / "runs" / "sw" / "trial-3")
+    assert trials[3].value == losses[max(losses)]
+    assert load_config(tmp_path / "runs" / "sw" / "best.yaml").run.name == "best"
+    assert (tmp_path / "runs" / "sw" / "history.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_trial_worse_than_the_median_is_pruned_on_every_rank_at_one_step(
@@ -206,7 +294,7 @@ def ups_launchers():
 '''
 
 
-def test_trials_run_through_a_launcher_plugin_named(
+def test_trials_run_through_a_launcher_plugin_into_the_study_and_storage_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     site = tmp_path / "site"
@@ -216,14 +304,28 @@ def test_trials_run_through_a_launcher_plugin_named(
     monkeypatch.setenv("INLINE_REQUESTS", str(tmp_path / "requests.jsonl"))
     space = {"training.lr": {"low": 0.01, "high": 0.3}}
     config = project(tmp_path, {"params": space, "objective": {"kind": "train"}})
+    storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
     result = run_ups(
-        "sweep", str(config), "--trials", "1", "--launcher", "inline", cwd=tmp_path, timeout=300
+        "sweep",
+        *(str(config), "--trials", "1", "--launcher", "inline"),
+        *("--study", "lr-search", "--storage", storage),
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     requests = (tmp_path / "requests.jsonl").read_text().splitlines()
     assert [json.loads(r) for r in requests] == [[2, ["run.name=trial-0"]]]
-    (trial,) = load(tmp_path).get_trials()
-    lines = (tmp_path / "runs" / "sw" / "trial-0" / "metrics.jsonl").read_text().splitlines()
+    # the study in that file, under that name; its files in run.output_dir/STUDY
+    assert optuna.get_all_study_names(storage) == ["lr-search"]
+    (trial,) = optuna.load_study(study_name="lr-search", storage=storage).get_trials()
+    folder = tmp_path / "runs" / "lr-search"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "best.yaml",
+        "history.png",
+        "trial-0",
+        "trial-0.yaml",
+    ]
+    lines = (folder / "trial-0" / "metrics.jsonl").read_text().splitlines()
     losses = {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
     # scored by the training loss: its last report, every report passed on by rank 0 (the
     # launcher's processes inherit the sweep's environment)

@@ -48,7 +48,7 @@ def sweep_command(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
 
 def run_sweep(args: argparse.Namespace) -> int:
     """Run ``ups sweep``; print the best trial and where its config and the plot went."""
-    from .sweep import TrialFailedError, sweep
+    from .sweep import SweepInterruptedError, TrialFailedError, sweep
 
     if args.trials < 1:
         raise UsageError(f"--trials must be >= 1, not {args.trials}")
@@ -66,6 +66,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     except TrialFailedError as error:
         print(f"ups: error: {error}", file=sys.stderr)
         return 1
+    except SweepInterruptedError as error:
+        print(f"ups: {error}", file=sys.stderr)
+        return 128 + error.signum  # as a shell reports a command a signal stopped
     print(f"best trial: {result.best_trial} ({result.best_value:.6g}) {result.best_params}")
     print(f"best config: {result.best_config}")
     print(f"history: {result.history}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +32,7 @@ import yaml
 from matplotlib import pyplot
 from matplotlib.figure import Figure
 from sqlalchemy.engine import make_url
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from ups.core import (
@@ -59,6 +61,16 @@ FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 
 class TrialFailedError(Exception):
     """A trial's job failed (not pruned): the sweep stops, naming the trial's run folder."""
+
+
+class SweepInterruptedError(Exception):
+    """A signal stopped the sweep while a trial ran (Ctrl-C, or a signal torchrun's agent
+    raises on: SIGTERM, SIGINT, SIGHUP, SIGQUIT): the trial's ranks were stopped, the trial
+    failed and its parameters queued to run first when the sweep resumes."""
+
+    def __init__(self, message: str, signum: signal.Signals) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
 @attrs.frozen(kw_only=True)
@@ -222,6 +234,8 @@ class Search:
             with _environ(ranks.env()):
                 try:
                     return self.train_once(config, name, ())
+                except SignalException:  # the sweep was interrupted, not the trial's job
+                    raise
                 except Exception as error:
                     ended = study.get_trials(deepcopy=False)
                     step = next(t for t in ended if t.number == trial.number).user_attrs.get(
@@ -276,13 +290,17 @@ def _read(path: Path) -> dict[str, Any]:
     return data
 
 
+def _queue_again(study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial) -> None:
+    """Fail an interrupted trial, and queue its parameters to run again first."""
+    study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+    study.enqueue_trial(trial.params, skip_if_exists=False)
+    log.warning("interrupted trial queued again", number=trial.number, **trial.params)
+
+
 def _resume(study: optuna.Study) -> None:
-    """Trials an interrupted sweep left running are failed, and their parameters queued to run
-    again first."""
+    """Trials a killed sweep left running are failed, and their parameters queued again."""
     for trial in study.get_trials(deepcopy=False, states=(RUNNING,)):
-        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
-        study.enqueue_trial(trial.params, skip_if_exists=False)
-        log.warning("interrupted trial queued again", number=trial.number, **trial.params)
+        _queue_again(study, trial)
 
 
 def _plot(study: optuna.Study, path: Path) -> None:
@@ -292,7 +310,7 @@ def _plot(study: optuna.Study, path: Path) -> None:
     ):  # the matplotlib backend of optuna.visualization is "experimental"
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         axes = optuna.visualization.matplotlib.plot_optimization_history(study)
-    figure = axes.get_figure(root=True)
+    figure = axes.get_figure()  # the axes' own figure: Optuna plots on a figure of its own
     assert isinstance(figure, Figure)
     figure.savefig(path, dpi=100, bbox_inches="tight")
     pyplot.close(figure)
@@ -312,6 +330,7 @@ def sweep(
 
     :raises UsageError: a bad config or sweep section (naming the key), an unknown launcher.
     :raises TrialFailedError: a trial's job failed (the sweep stops; run it again to resume).
+    :raises SweepInterruptedError: a signal stopped a trial (run the sweep again to resume).
     """
     data = _read(config)
     spec, params = parse_sweep(data.pop("sweep"))
@@ -352,6 +371,14 @@ def sweep(
             found.tell(trial, state=optuna.trial.TrialState.PRUNED)
             log.info("trial pruned", number=trial.number, reason=str(pruned))
             continue
+        except (KeyboardInterrupt, SignalException) as stop:
+            _queue_again(found, trial)
+            sig = signal.SIGINT if isinstance(stop, KeyboardInterrupt) else stop.sigval
+            raise SweepInterruptedError(
+                f"sweep interrupted by {sig.name} during trial {trial.number}: its parameters "
+                "run first when the same command resumes the sweep",
+                sig,
+            ) from None
         except BaseException:
             found.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
