@@ -104,7 +104,7 @@ def test_submit_status_logs_cancel(server: VastServer, capsys: pytest.CaptureFix
 
 
 def test_several_machines_rendezvous_on_the_first(server: VastServer) -> None:
-    vast = launcher(server, gpu_name="RTX 4090", num_gpus=2)
+    vast = launcher(server, gpu_name="RTX 4090", num_gpus=2, upload_url="s3://bucket/run")
     text = vast.dry_run(request(nnodes=2))
     assert "estimated cost: $1.5000/hour for 2 machine(s)" in text
     handle = vast.submit(request(nnodes=2))
@@ -117,6 +117,9 @@ def test_several_machines_rendezvous_on_the_first(server: VastServer) -> None:
     port = server.instances[9001]["ports"]["29500/tcp"][0]["HostPort"]
     assert f"--rdzv-endpoint {host}:{port}" in second["onstart"]
     assert "--node-rank 1" in second["onstart"]
+    # each machine uploads its run folder to a place of its own
+    assert "upload \"$UPS_RUN_DIR\" s3://bucket/run ||" in first["onstart"]
+    assert "upload \"$UPS_RUN_DIR\" s3://bucket/run/nodes/1 ||" in second["onstart"]
     assert vast.status(handle) == "RUNNING"
     server.logs[9002] = "node one says hi\n"
     assert "==> instance 9002 (node 1) <==\nnode one says hi" in vast.logs(handle)

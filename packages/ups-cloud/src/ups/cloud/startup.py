@@ -154,6 +154,14 @@ def machine_files(request: LaunchRequest, paths: Iterable[str] = ()) -> dict[str
     return files
 
 
+def node_upload_url(url: str | None, node_rank: int) -> str | None:
+    """Where machine ``node_rank`` of a job uploads its run folder: ``url`` for the first
+    machine, ``<url>/nodes/R`` for machine R > 0, so that no two machines write one place."""
+    if url is None or node_rank == 0:
+        return url
+    return f"{url.rstrip('/')}/nodes/{node_rank}"
+
+
 def _read(path: Path, what: str) -> str:
     try:
         return path.read_text()

@@ -46,7 +46,14 @@ from ups.core import LaunchRequest, UsageError
 from ups.core.config import load_config
 
 from ._secrets import ApiKey
-from .startup import EXIT_FILE, StartupScript, _as_tuple, machine_files, machine_request
+from .startup import (
+    EXIT_FILE,
+    StartupScript,
+    _as_tuple,
+    machine_files,
+    machine_request,
+    node_upload_url,
+)
 
 log = structlog.get_logger()
 
@@ -264,7 +271,7 @@ class VastAILauncher:
             rdzv_host=host if request.nnodes > 1 else None,
             rdzv_port=port,
             max_restarts=load_config(request.config, request.overrides).distributed.max_restarts,
-            upload_url=o.upload_url,
+            upload_url=node_upload_url(o.upload_url, node_rank),
             auto_shutdown=o.auto_shutdown,
             shutdown_command=self.shutdown_command(request),
         )

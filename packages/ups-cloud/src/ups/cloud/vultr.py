@@ -15,10 +15,10 @@ Vultr has no API for an instance's console output, so:
 * ``logs`` reads ``startup.log`` from ``upload_url`` (with fsspec), where the script uploads
   the run folder when training ends; before that (or without ``upload_url``) it says where the
   log is on the machines (``/root/ups/runs/startup.log``, over ssh).
-* ``status`` is ``PENDING`` until every instance is active and booted, ``RUNNING`` while they
-  run, and once the first machine has stopped (the script's auto-shutdown) ``SUCCEEDED`` or
-  ``FAILED`` from the exit status it uploaded (``startup.exit``); ``STOPPED`` when it stopped
-  but no exit status can be read. ``CANCELLED`` when the instances are gone.
+* ``status`` is ``PENDING`` until every instance is active and booted, ``RUNNING`` while any
+  runs, and once every machine has stopped (the script's auto-shutdown) ``SUCCEEDED`` or
+  ``FAILED`` from the exit status the first one uploaded (``startup.exit``); ``STOPPED`` when
+  they stopped but no exit status can be read. ``CANCELLED`` when the instances are gone.
 
 A stopped Vultr instance is billed as a running one is, and only a delete ends the bill. The
 machines cannot delete themselves (that needs the account's API key, which never goes to a
@@ -26,7 +26,8 @@ machine), so ``status`` does it: once every machine has stopped and uploaded its
 ``upload_url`` (the exit status, uploaded last, says so), ``status`` deletes them all. Without
 ``upload_url`` the results live only on the machines' disks, so they are kept, and billed,
 until ``cancel`` (``DELETE /instances/ID``); ``submit`` and the dry run say so. ``ups logs
---follow`` asks for the status until the job ends, so following a job also ends its bill.
+--follow`` asks for the status until the job ends, so following a job that uploads also ends
+its bill; a ``STOPPED`` job says that it is still billed.
 
 The API key comes from the environment (``api_key_env``, ``VULTR_API_KEY``) or from a file the
 user names (``api_key_file``), and is sent only as the ``Authorization: Bearer`` header: never
@@ -55,7 +56,15 @@ from ups.core import LaunchRequest, UsageError, above
 from ups.core.config import load_config
 
 from ._secrets import ApiKey
-from .startup import EXIT_FILE, LOG_FILE, StartupScript, _as_tuple, machine_files, machine_request
+from .startup import (
+    EXIT_FILE,
+    LOG_FILE,
+    StartupScript,
+    _as_tuple,
+    machine_files,
+    machine_request,
+    node_upload_url,
+)
 
 log = structlog.get_logger()
 
@@ -239,15 +248,13 @@ class VultrLauncher:
             return "FAILED"  # some machines deleted under a running job
         if any(i["status"] != "active" for i in instances if i is not None):
             return "PENDING"
-        first = instances[0]
-        assert first is not None
-        if first.get("power_status") != "stopped":
+        if any(i is not None and i.get("power_status") != "stopped" for i in instances):
+            # The job has ended only once every machine has (each uploads, then stops).
             if any(i.get("server_status") != "ok" for i in instances if i is not None):
                 return "PENDING"
             return "RUNNING"
         exit_status = self._read_upload(EXIT_FILE)
-        stopped = all(i is not None and i.get("power_status") == "stopped" for i in instances)
-        if stopped and self._uploaded(len(ids)):
+        if self._uploaded(len(ids)):
             # Every machine has ended and uploaded its run folder (the exit status goes last):
             # nothing on them is needed any more, and a stopped Vultr instance bills as a
             # running one does.
@@ -445,9 +452,6 @@ class VultrLauncher:
 
     def _script(self, request: LaunchRequest, name: str, rank: int, host: str | None) -> str:
         o = self.options
-        upload = o.upload_url
-        if upload is not None and rank > 0:
-            upload = f"{upload.rstrip('/')}/nodes/{rank}"
         script = StartupScript(
             request=machine_request(request),
             files=machine_files(request, o.files),
@@ -463,7 +467,7 @@ class VultrLauncher:
             else None,
             rdzv_id=f"{o.label_prefix}-{name}",
             max_restarts=load_config(request.config, request.overrides).distributed.max_restarts,
-            upload_url=upload,
+            upload_url=node_upload_url(o.upload_url, rank),
             auto_shutdown=o.auto_shutdown,
         ).render()
         self._key.refuse_in(script, "the start-up script")
