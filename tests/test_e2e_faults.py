@@ -6,7 +6,6 @@ namespaces); CPU training is deterministic, so "equal" is to the bit.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -15,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +25,7 @@ import yaml
 from test_e2e_resume import final_state, project
 
 from ups.core.context import collective_timeout
-from ups.core.testing import assert_bitwise_equal, free_port
+from ups.core.testing import assert_bitwise_equal, free_port, kill_all_in, two_machines
 
 EXIT_PREEMPTED = 75
 
@@ -310,42 +309,6 @@ def test_a_run_started_on_2_ranks_and_resumed_on_1_sees_every_remaining_sample_o
     everything = set(before) | set(after)
     assert len(everything) == 64  # the 64 samples' first inputs are distinct
     assert sorted(after) == sorted(everything - set(before))  # the rest, each exactly once
-
-
-@contextlib.contextmanager
-def two_machines(tag: str) -> Iterator[tuple[str, str]]:
-    """Two network namespaces joined by a veth pair: 10.77.0.1 and 10.77.0.2 on ``eth-<tag>``
-    devices; deleted again, whatever happened."""
-    names = (f"ups-{tag}-a", f"ups-{tag}-b")
-    try:
-        for name in names:
-            subprocess.run(["ip", "netns", "add", name], check=True)
-        subprocess.run(
-            ["ip", "link", "add", f"v{tag}a", "type", "veth", "peer", "name", f"v{tag}b"],
-            check=True,
-        )
-        for i, (name, end) in enumerate(zip(names, "ab", strict=True), start=1):
-            device = f"v{tag}{end}"
-            for command in (
-                ["ip", "link", "set", device, "netns", name],
-                ["ip", "-n", name, "addr", "add", f"10.77.0.{i}/24", "dev", device],
-                ["ip", "-n", name, "link", "set", device, "up"],
-                ["ip", "-n", name, "link", "set", "lo", "up"],
-            ):
-                subprocess.run(command, check=True)
-        yield names
-    finally:
-        for name in names:
-            kill_all_in(name)
-            subprocess.run(["ip", "netns", "delete", name], check=False)
-
-
-def kill_all_in(namespace: str) -> None:
-    """SIGKILL every process of ``namespace`` (a machine lost)."""
-    found = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
-    for pid in found.stdout.split():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
 
 
 @pytest.mark.slow

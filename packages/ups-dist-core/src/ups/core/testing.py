@@ -6,15 +6,17 @@ no mocks. The function must be importable by the spawned processes (defined at m
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -213,3 +215,41 @@ def assert_bitwise_equal(found: Any, expected: Any, where: str = "state") -> Non
             assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
         assert found == expected, f"{where}: {found!r} != {expected!r}"
+
+
+@contextlib.contextmanager
+def two_machines(tag: str) -> Iterator[tuple[str, str]]:
+    """Two "machines" on this host: network namespaces ``ups-<tag>-a`` and ``ups-<tag>-b``
+    joined by a veth pair, 10.77.0.1 on device ``v<tag>a`` and 10.77.0.2 on ``v<tag>b``;
+    every process in them killed and both deleted again, whatever happened. Needs root and
+    iproute2; ``tag`` keeps concurrent tests apart (a few characters: device names are short)."""
+    names = (f"ups-{tag}-a", f"ups-{tag}-b")
+    try:
+        for name in names:
+            subprocess.run(["ip", "netns", "add", name], check=True)
+        subprocess.run(
+            ["ip", "link", "add", f"v{tag}a", "type", "veth", "peer", "name", f"v{tag}b"],
+            check=True,
+        )
+        for i, (name, end) in enumerate(zip(names, "ab", strict=True), start=1):
+            device = f"v{tag}{end}"
+            for command in (
+                ["ip", "link", "set", device, "netns", name],
+                ["ip", "-n", name, "addr", "add", f"10.77.0.{i}/24", "dev", device],
+                ["ip", "-n", name, "link", "set", device, "up"],
+                ["ip", "-n", name, "link", "set", "lo", "up"],
+            ):
+                subprocess.run(command, check=True)
+        yield names
+    finally:
+        for name in names:
+            kill_all_in(name)
+            subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+def kill_all_in(namespace: str) -> None:
+    """SIGKILL every process of ``namespace`` (a machine lost)."""
+    found = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    for pid in found.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
