@@ -232,7 +232,7 @@ def test_cancel_ends_a_running_job_and_its_processes(project: Path, launcher: Ti
         run_dir=project / "runs",
     )
     handle = launcher.submit(request)
-    wait_for(lambda: '"event": "step"' in launcher.logs(handle), 60, "the job's first steps")
+    wait_for(lambda: '"event": "step"' in launcher.logs(handle), 180, "the job's first steps")
     assert launcher.status(handle) == "RUNNING"
     assert processes_mentioning(str(project / "run.yaml"))
     launcher.cancel(handle)
@@ -254,10 +254,10 @@ def test_a_preemption_notice_saves_a_checkpoint_and_requeues(
     handle = launcher.submit(request)
     job_id = handle.split(":")[0]
     try:
-        wait_for(lambda: '"event": "step"' in launcher.logs(handle), 60, "the job's first steps")
+        wait_for(lambda: '"event": "step"' in launcher.logs(handle), 180, "the job's first steps")
         # What SLURM does signal_seconds before the time limit (--signal=B:USR1@...):
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
-        wait_for(lambda: "requeueing job" in launcher.logs(handle), 60, "the requeue")
+        wait_for(lambda: "requeueing job" in launcher.logs(handle), 180, "the requeue")
         text = launcher.logs(handle)
         assert "ups: pre-emption notice (SIGUSR1): the ranks save and stop" in text
         saved = [e for e in events(text) if e.get("event") == "checkpoint saved"]
@@ -295,9 +295,9 @@ def test_without_requeue_a_preemption_notice_saves_and_fails_the_job(
         run_dir=project / "runs",
     )
     handle = launcher.submit(request)
-    wait_for(lambda: '"event": "step"' in launcher.logs(handle), 60, "the job's first steps")
+    wait_for(lambda: '"event": "step"' in launcher.logs(handle), 180, "the job's first steps")
     subprocess.run(["scancel", "--batch", "--signal=USR1", handle.split(":")[0]], check=True)
-    wait_for(lambda: launcher.status(handle) not in ("PENDING", "RUNNING"), 60, "the job's end")
+    wait_for(lambda: launcher.status(handle) not in ("PENDING", "RUNNING"), 180, "the job's end")
     text = launcher.logs(handle)
     assert launcher.status(handle) == "FAILED", text
     assert "ups: stopped by the pre-emption notice" in text
@@ -310,6 +310,6 @@ def test_without_requeue_a_preemption_notice_saves_and_fails_the_job(
 def test_a_job_that_exits_non_zero_fails(project: Path, launcher: TidySlurm) -> None:
     launcher.options = SlurmOptions(python="/bin/false")
     handle = launcher.submit(LaunchRequest(config=project / "run.yaml", run_dir=project / "runs"))
-    wait_for(lambda: launcher.status(handle) not in ("PENDING", "RUNNING"), 60, "the job's end")
+    wait_for(lambda: launcher.status(handle) not in ("PENDING", "RUNNING"), 180, "the job's end")
     assert launcher.status(handle) == "FAILED", launcher.logs(handle)
     assert "srun: error: localhost: task 0: Exited with exit code 1" in launcher.logs(handle)

@@ -118,8 +118,8 @@ def test_several_machines_rendezvous_on_the_first(server: VastServer) -> None:
     assert f"--rdzv-endpoint {host}:{port}" in second["onstart"]
     assert "--node-rank 1" in second["onstart"]
     # each machine uploads its run folder to a place of its own
-    assert "upload \"$UPS_RUN_DIR\" s3://bucket/run ||" in first["onstart"]
-    assert "upload \"$UPS_RUN_DIR\" s3://bucket/run/nodes/1 ||" in second["onstart"]
+    assert 'upload "$UPS_RUN_DIR" s3://bucket/run ||' in first["onstart"]
+    assert 'upload "$UPS_RUN_DIR" s3://bucket/run/nodes/1 ||' in second["onstart"]
     assert vast.status(handle) == "RUNNING"
     server.logs[9002] = "node one says hi\n"
     assert "==> instance 9002 (node 1) <==\nnode one says hi" in vast.logs(handle)
