@@ -22,6 +22,7 @@ from ups.core import UsageError, load_config, load_plugins
 from ups.core.testing import install_plugin, run_ups
 from ups_optuna import link, sweep
 from ups_optuna.link import PRUNED_AT
+from ups_optuna.sweep import LauncherRunner, runner
 
 COMPLETE, PRUNED, FAIL, RUNNING, WAITING = (
     optuna.trial.TrialState.COMPLETE,
@@ -158,6 +159,16 @@ def assert_nothing_left_in(folder: Path) -> None:
     assert not left, [(proc, Path(f"/proc/{proc}/cmdline").read_bytes()) for proc in left]
 
 
+INTERRUPTED = (
+    "ups: sweep interrupted by {} during trial {}: its parameters run first when the same "
+    "command resumes the sweep"
+)
+
+
+def last_line(log: Path) -> str:
+    return log.read_text().strip().splitlines()[-1]
+
+
 def test_a_sweep_killed_or_interrupted_mid_trial_runs_that_trial_again_first(
     tmp_path: Path,
 ) -> None:
@@ -181,11 +192,7 @@ def test_a_sweep_killed_or_interrupted_mid_trial_runs_that_trial_again_first(
     wait_held(interrupted, held, 2, tmp_path / "interrupted.log")
     interrupted.send_signal(signal.SIGINT)
     assert interrupted.wait(timeout=60) == 130
-    last = (tmp_path / "interrupted.log").read_text().strip().splitlines()[-1]
-    assert last == (
-        "ups: sweep interrupted by SIGINT during trial 2: its parameters run first when the "
-        "same command resumes the sweep"
-    )
+    assert last_line(tmp_path / "interrupted.log") == INTERRUPTED.format("SIGINT", 2)
     assert_nothing_left_in(tmp_path)
     trials = load(tmp_path).get_trials()
     assert [t.state for t in trials] == [COMPLETE, FAIL, FAIL, WAITING]
@@ -260,12 +267,15 @@ def test_k_fold_trains_each_trial_once_per_fold_and_scores_the_mean(tmp_path: Pa
         assert trial.intermediate_values == pytest.approx({0: folds[0], 1: sum(folds) / 2})
 
 
-INLINE = '''
-"""A launcher that runs a job to its end inside submit, and writes down every request."""
+LAUNCHERS = '''
+"""Two launchers: inline runs a job to its end inside submit, and writes down every request;
+stuck takes 2 s to submit, then its job runs for ever and cannot be cancelled."""
 import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from ups.core import LauncherPlugin, hookimpl
 
@@ -288,19 +298,41 @@ class Inline:
         return "SUCCEEDED" if self.codes[handle] == 0 else "FAILED"
 
 
+class Stuck:
+    def submit(self, request):
+        Path(os.environ["STUCK_SUBMITTING"]).touch()
+        time.sleep(2)
+        return "job-7"
+
+    def status(self, handle):
+        return "RUNNING"
+
+    def cancel(self, handle):
+        raise RuntimeError(f"the API is down; {handle} still runs")
+
+
 @hookimpl
 def ups_launchers():
-    return [LauncherPlugin(name="inline", factory=lambda options: Inline())]
+    return [
+        LauncherPlugin(name="inline", factory=lambda options: Inline()),
+        LauncherPlugin(name="stuck", factory=lambda options: Stuck()),
+    ]
 '''
 
 
+@pytest.fixture
+def test_launchers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """:data:`LAUNCHERS` installed, for the ``ups`` processes the test starts."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site, "ups-test-launchers", "ups_test_launchers", LAUNCHERS)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+
+
+@pytest.mark.usefixtures("test_launchers")
 def test_trials_run_through_a_launcher_plugin_into_the_study_and_storage_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
-    install_plugin(site, "ups-inline", "ups_inline", INLINE)
-    monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("INLINE_REQUESTS", str(tmp_path / "requests.jsonl"))
     space = {"training.lr": {"low": 0.01, "high": 0.3}}
     config = project(tmp_path, {"params": space, "objective": {"kind": "train"}})
@@ -331,6 +363,55 @@ def test_trials_run_through_a_launcher_plugin_into_the_study_and_storage_named(
     # launcher's processes inherit the sweep's environment)
     assert (trial.state, trial.value) == (COMPLETE, losses[4])
     assert trial.intermediate_values == losses
+
+
+def test_a_trial_interrupted_through_a_launcher_has_its_job_cancelled(tmp_path: Path) -> None:
+    held = tmp_path / "held"
+    held.mkdir()
+    data = {"factory": f"{__file__}:held_data", "options": {"hold": [0], "folder": str(held)}}
+    config = project(tmp_path, {"params": SPACE, "pruner": {"name": "none"}}, data=data)
+    # ups-cloud's local launcher: torchrun, detached in a session of its own
+    args = (str(config), "--trials", "1", "--launcher", "local")
+    interrupted = start_sweep(tmp_path, *args, log="sweep.log")
+    wait_held(interrupted, held, 0, tmp_path / "sweep.log")
+    interrupted.send_signal(signal.SIGINT)  # to the sweep alone: the job is not in its group
+    assert interrupted.wait(timeout=60) == 130
+    assert last_line(tmp_path / "sweep.log") == INTERRUPTED.format("SIGINT", 0)
+    job = str((tmp_path / "runs" / "sw" / "trial-0").resolve())  # the local launcher's handle
+    lines = (tmp_path / "sweep.log").read_text().splitlines()
+    logged = [json.loads(line) for line in lines if line.startswith("{")]
+    assert any(
+        (e["event"], e.get("launcher"), e.get("job"))
+        == ("interrupted trial's job cancelled", "local", job)
+        for e in logged
+    )
+    assert_nothing_left_in(tmp_path)
+    launcher = runner("local")
+    assert isinstance(launcher, LauncherRunner)
+    assert launcher.launcher.status(job) == "CANCELLED"
+    assert [t.state for t in load(tmp_path).get_trials()] == [FAIL, WAITING]
+
+
+@pytest.mark.usefixtures("test_launchers")
+def test_a_job_the_launcher_cannot_cancel_is_named_in_the_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    submitting = tmp_path / "submitting"
+    monkeypatch.setenv("STUCK_SUBMITTING", str(submitting))
+    config = project(tmp_path, {"params": SPACE})
+    stopped = start_sweep(tmp_path, str(config), "--trials", "1", "--launcher", "stuck", log="log")
+    deadline = time.monotonic() + 60
+    while not submitting.exists():
+        assert stopped.poll() is None and time.monotonic() < deadline, last_line(tmp_path / "log")
+        time.sleep(0.05)
+    # while the job is being submitted: the sweep waits for its handle, to cancel it
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=60) == 128 + signal.SIGTERM
+    assert last_line(tmp_path / "log") == INTERRUPTED.format("SIGTERM", 0) + (
+        "; its job may still be running: cancel it through launcher 'stuck' (job job-7; "
+        "cancel failed: RuntimeError: the API is down; job-7 still runs)"
+    )
+    assert [t.state for t in load(tmp_path).get_trials()] == [FAIL, WAITING]
 
 
 def test_a_failed_trial_stops_the_sweep_in_one_line_naming_its_run_folder(

@@ -19,7 +19,7 @@ import os
 import signal
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,10 +63,22 @@ class TrialFailedError(Exception):
     """A trial's job failed (not pruned): the sweep stops, naming the trial's run folder."""
 
 
+class JobLeftRunningError(SignalException):
+    """A signal stopped a trial run through a launcher, and the launcher could not cancel the
+    trial's job: it may still be running (and, on a cloud, billing)."""
+
+    def __init__(self, sigval: signal.Signals, *, launcher: str, handle: str, reason: str) -> None:
+        super().__init__(f"{launcher}: job {handle} not cancelled: {reason}", sigval=sigval)
+        self.launcher = launcher
+        self.handle = handle
+        self.reason = reason
+
+
 class SweepInterruptedError(Exception):
     """A signal stopped the sweep while a trial ran (Ctrl-C, or a signal torchrun's agent
-    raises on: SIGTERM, SIGINT, SIGHUP, SIGQUIT): the trial's ranks were stopped, the trial
-    failed and its parameters queued to run first when the sweep resumes."""
+    raises on: SIGTERM, SIGINT, SIGHUP, SIGQUIT): the trial's ranks were stopped (through a
+    launcher: its job cancelled, or the message says it may still run), the trial failed and
+    its parameters queued to run first when the sweep resumes."""
 
     def __init__(self, message: str, signum: signal.Signals) -> None:
         super().__init__(message)
@@ -102,7 +114,8 @@ def torchrun(config: Path, *, nproc: int, overrides: Sequence[str], run_dir: Pat
 
 @attrs.frozen
 class LauncherRunner:
-    """A runner through a launcher plugin: submit, then follow the job until it ends."""
+    """A runner through a launcher plugin: submit, then follow the job until it ends; a stop
+    signal (:data:`STOP_SIGNALS`) cancels the job, then goes on as :class:`SignalException`."""
 
     name: str
     launcher: Launcher
@@ -114,11 +127,64 @@ class LauncherRunner:
         request = LaunchRequest(
             config=config, nproc_per_node=nproc, overrides=tuple(overrides), run_dir=run_dir
         )
-        handle = self.launcher.submit(request)
-        while (state := self.launcher.status(handle)) not in TERMINAL:
-            time.sleep(self.poll_s)
+        with _stop_signals() as arm:
+            handle = self.launcher.submit(request)
+            try:
+                arm()
+                while (state := self.launcher.status(handle)) not in TERMINAL:
+                    time.sleep(self.poll_s)
+            except SignalException as stop:
+                self._cancel(handle, stop.sigval)
+                raise
         if state != "SUCCEEDED":
             raise TrialFailedError(f"launcher {self.name!r}: job {handle} {state}")
+
+    def _cancel(self, handle: str, sigval: signal.Signals) -> None:
+        """Cancel the job of a trial a signal stopped (a second signal stops the cancel).
+
+        :raises JobLeftRunningError: when the launcher could not cancel it.
+        """
+        log.info("cancelling the interrupted trial's job", launcher=self.name, job=handle)
+        try:
+            self.launcher.cancel(handle)
+        except Exception as error:
+            reason = " ".join(f"{type(error).__name__}: {error}".split())
+            raise JobLeftRunningError(
+                sigval, launcher=self.name, handle=handle, reason=reason
+            ) from error
+        log.info("interrupted trial's job cancelled", launcher=self.name, job=handle)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""The signals that stop a sweep mid-trial (those torchrun's agent raises on)."""
+
+
+@contextmanager
+def _stop_signals() -> Iterator[Callable[[], None]]:
+    """Inside, each of :data:`STOP_SIGNALS` raises :class:`SignalException`, as it does under
+    torchrun's agent, once the function given is called; that call raises the first one that
+    came before it: a signal while a job is being submitted waits for the job's handle, so that
+    the job can be cancelled."""
+    came: list[signal.Signals] = []
+    armed = False
+
+    def stop(signum: int, _frame: object) -> None:
+        came.append(signal.Signals(signum))
+        if armed:
+            raise SignalException(f"ups sweep got {came[-1].name}", sigval=came[-1])
+
+    def arm() -> None:
+        nonlocal armed
+        armed = True
+        if came:
+            raise SignalException(f"ups sweep got {came[0].name}", sigval=came[0])
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield arm
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def runner(name: str | None) -> Runner:
@@ -374,9 +440,15 @@ def sweep(
         except (KeyboardInterrupt, SignalException) as stop:
             _queue_again(found, trial)
             sig = signal.SIGINT if isinstance(stop, KeyboardInterrupt) else stop.sigval
+            left = (
+                f"; its job may still be running: cancel it through launcher {stop.launcher!r} "
+                f"(job {stop.handle}; cancel failed: {stop.reason})"
+                if isinstance(stop, JobLeftRunningError)
+                else ""
+            )
             raise SweepInterruptedError(
                 f"sweep interrupted by {sig.name} during trial {trial.number}: its parameters "
-                "run first when the same command resumes the sweep",
+                f"run first when the same command resumes the sweep{left}",
                 sig,
             ) from None
         except BaseException:
