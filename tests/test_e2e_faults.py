@@ -6,6 +6,7 @@ namespaces); CPU training is deterministic, so "equal" is to the bit.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -14,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -311,56 +312,142 @@ def test_a_run_started_on_2_ranks_and_resumed_on_1_sees_every_remaining_sample_o
     assert sorted(after) == sorted(everything - set(before))  # the rest, each exactly once
 
 
+class Machines:
+    """torchrun agents of one rank each training ``config`` on the two "machines" of
+    :func:`~ups.core.testing.two_machines` (``names``, made with ``tag``), meeting at a c10d
+    rendezvous that machine 1 hosts: ``--nnodes nnodes``, ``--max-restarts 1``, and the
+    rendezvous's options ``rdzv_conf`` (``key=value,...``) besides ``is_host``."""
+
+    def __init__(
+        self, config: Path, names: tuple[str, str], tag: str, nnodes: str, rdzv_conf: str
+    ) -> None:
+        self.config, self.names, self.tag = config, names, tag
+        self.nnodes, self.rdzv_conf, self.port = nnodes, rdzv_conf, free_port()
+        self.started: list[subprocess.Popen[str]] = []
+
+    def log(self, node: int) -> Path:
+        """What machine ``node``'s agents and ranks wrote (appended across its starts)."""
+        return self.config.parent / f"{self.names[node - 1]}.log"
+
+    def start(self, node: int) -> subprocess.Popen[str]:
+        """Start machine ``node``'s (1 or 2) agent."""
+        conf = ",".join(filter(None, [f"is_host={int(node == 1)}", self.rdzv_conf]))
+        command = [
+            *("ip", "netns", "exec", self.names[node - 1]),
+            *(sys.executable, "-m", "torch.distributed.run"),
+            *("--nnodes", self.nnodes, "--nproc-per-node", "1", "--max-restarts", "1"),
+            *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"10.77.0.1:{self.port}"),
+            *("--rdzv-id", f"ups-{self.tag}", "--rdzv-conf", conf),
+            *("--local-addr", f"10.77.0.{node}", "--monitor-interval", "0.1"),
+            *("-m", "ups.core", "train", str(self.config)),
+        ]
+        # Torch's agents share one store across rounds unless told not to; a node that joins
+        # afresh then waits for a key of the first round (see docs/fault-tolerance.md).
+        env = {
+            **os.environ,
+            "UPS_LOG_FORMAT": "json",
+            "OMP_NUM_THREADS": "1",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "GLOO_SOCKET_IFNAME": f"v{self.tag}{'ab'[node - 1]}",
+        }
+        with self.log(node).open("a") as logged:
+            started = subprocess.Popen(
+                command, stdout=logged, stderr=subprocess.STDOUT, text=True, env=env
+            )
+        self.started.append(started)
+        return started
+
+    def lose(self, node: int, process: subprocess.Popen[str]) -> None:
+        """SIGKILL every process of machine ``node`` (its agent ``process`` included)."""
+        kill_all_in(self.names[node - 1])
+        process.wait(timeout=30)
+
+    def assert_finished(self, node: int, process: subprocess.Popen[str], seconds: float) -> None:
+        """Machine ``node``'s agent ``process`` exits 0 within ``seconds``."""
+        assert process.wait(timeout=seconds) == 0, self.log(node).read_text()[-3000:]
+
+
+@contextlib.contextmanager
+def machines(config: Path, nnodes: str, rdzv_conf: str = "") -> Iterator[Machines]:
+    """:class:`Machines` on two fresh namespaces; every agent started is killed on leaving."""
+    tag = f"{os.getpid() % 100000}"  # apart from concurrent tests' namespaces
+    with two_machines(tag) as names:
+        found = Machines(config, names, tag, nnodes, rdzv_conf)
+        try:
+            yield found
+        finally:
+            for process in found.started:
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
+
+
+def wait_for_a_checkpoint(config: Path) -> None:
+    checkpoints = run_dir(config) / "checkpoints"
+    wait_for(lambda: any(checkpoints.glob("step-*.pt")), 120, "a checkpoint")
+
+
 @pytest.mark.slow
 def test_two_machines_one_lost_the_job_restarts_and_finishes(tmp_path: Path) -> None:
     config = faults_project(tmp_path, delay=0.1)
-    port, tag = free_port(), f"{os.getpid() % 100000}"
-    # Torch's agents share one store across rounds unless told not to; a node that joins
-    # afresh then waits for a key of the first round (see docs/fault-tolerance.md).
-    env = {
-        **os.environ,
-        "UPS_LOG_FORMAT": "json",
-        "OMP_NUM_THREADS": "1",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    }
-    started: list[subprocess.Popen[str]] = []
-
-    def machine(namespace: str, node: int) -> subprocess.Popen[str]:
-        command = [
-            *("ip", "netns", "exec", namespace, sys.executable, "-m", "torch.distributed.run"),
-            *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1"),
-            *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"10.77.0.1:{port}"),
-            *("--rdzv-id", f"ups-{tag}", "--rdzv-conf", f"is_host={int(node == 1)}"),
-            *("--local-addr", f"10.77.0.{node}", "--monitor-interval", "0.1"),
-            *("-m", "ups.core", "train", str(config)),
-        ]
-        with (tmp_path / f"{namespace}.log").open("a") as logged:
-            started.append(
-                subprocess.Popen(
-                    command,
-                    stdout=logged,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    env={**env, "GLOO_SOCKET_IFNAME": f"v{tag}{'ab'[node - 1]}"},
-                )
-            )
-        return started[-1]
-
-    try:
-        with two_machines(tag) as (one, two):
-            first = machine(one, 1)
-            lost = machine(two, 2)
-            checkpoints = run_dir(config) / "checkpoints"
-            wait_for(lambda: any(checkpoints.glob("step-*.pt")), 120, "a checkpoint")
-            kill_all_in(two)
-            lost.wait(timeout=30)
-            back = machine(two, 2)  # the machine comes back, as a node would
-            assert first.wait(timeout=150) == 0, (tmp_path / f"{one}.log").read_text()[-3000:]
-            assert back.wait(timeout=30) == 0, (tmp_path / f"{two}.log").read_text()[-3000:]
-    finally:
-        for process in started:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
+    with machines(config, "2") as two:
+        first = two.start(1)
+        lost = two.start(2)
+        wait_for_a_checkpoint(config)
+        two.lose(2, lost)
+        back = two.start(2)  # the machine comes back, as a node would
+        two.assert_finished(1, first, 150)
+        two.assert_finished(2, back, 30)
     assert final(config)["step"] == STEPS
     assert events(config, "resumed")[0]["step"] >= 3, "the restarted job did not resume"
+
+
+SHRINK = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
+"""A rendezvous of ``--nnodes 1:2`` quick to shrink (torch's defaults take 15 s and 30 s): a
+node without a heartbeat for 2 s is dropped from it, and a round that has 1 node completes
+3 s later unless the second joins (then at once: the first round, both machines started)."""
+
+
+@pytest.mark.slow
+def test_an_elastic_job_that_lost_a_machine_for_good_resumes_on_1_rank_and_sees_every_sample_once(
+    tmp_path: Path,
+) -> None:
+    """torchrun ``--nnodes 1:2`` on two machines; the second is lost after the first checkpoint
+    and never comes back: the first's agent meets again alone, its rank resumes the epoch from
+    the checkpoint on world size 1 and takes, exactly once, each sample that the 2 ranks had
+    not taken by the checkpoint's step (what they took after it, before the loss, is redone)."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    options = {"seen_dir": str(seen), "delay": 0.2}
+    config = project(
+        tmp_path, None, "latest", "tensor", model=MODEL, model_options=options, epochs=1
+    )
+    with machines(config, "1:2", SHRINK) as two:
+        lost = two.start(2)  # waits for the host: both meet in the first round's last call
+        survivor = two.start(1)
+        wait_for_a_checkpoint(config)
+        first_ranks = sorted(seen.iterdir())  # each rank of the 2 wrote its samples by now
+        two.lose(2, lost)
+        two.assert_finished(1, survivor, 120)
+    (resumed,) = events(config, "resumed")
+    saved_at = resumed["step"]
+    assert saved_at in (3, 6), resumed  # a checkpoint mid-epoch (8 steps of 2 batches of 4)
+    assert [e["world_size"] for e in events(config, "training")] == [2, 1]
+    (changed,) = events(
+        config,
+        "checkpoint saved by another number of ranks: each rank's "
+        "generators start from rank 0's and the comm hook's state starts afresh",
+    )
+    assert changed["saved_world_size"] == 2
+    assert [e["restarts"] for e in events(config, "restarted by the launcher: resuming")] == [1]
+
+    def lines(path: Path) -> list[str]:
+        return path.read_text().splitlines()
+
+    assert len(first_ranks) == 2
+    taken = [value for path in first_ranks for value in lines(path)[: 4 * saved_at]]
+    assert len(set(taken)) == 2 * 4 * saved_at
+    (after,) = set(seen.iterdir()) - set(first_ranks)  # the resumed rank
+    everything = set(taken) | set(lines(after))
+    assert len(everything) == 64  # the 64 samples' first inputs are distinct
+    assert sorted(lines(after)) == sorted(everything - set(taken))  # the rest, each exactly once
