@@ -104,8 +104,9 @@ def test_two_machines_rendezvous_on_the_first_ones_private_address(
     (upload / "startup.log").write_text("training done\n")
     (upload / "startup.exit").write_text("0\n")
     server.stop_all()
-    # Machine 1's upload is not there yet: the machines are kept.
-    assert vultr.status(handle) == "SUCCEEDED"
+    # Machine 1 stopped without its upload (each uploads before it stops): the machines, which
+    # hold what was not copied, are kept and billed, and the job says so.
+    assert vultr.status(handle) == "STOPPED"
     assert list(server.instances) == ids and server.deleted == []
     assert vultr.logs(handle) == "training done\n"
     # Every machine has uploaded: status deletes them, since stopped instances bill.

@@ -16,9 +16,11 @@ Vultr has no API for an instance's console output, so:
   the run folder when training ends; before that (or without ``upload_url``) it says where the
   log is on the machines (``/root/ups/runs/startup.log``, over ssh).
 * ``status`` is ``PENDING`` until every instance is active and booted, ``RUNNING`` while any
-  runs, and once every machine has stopped (the script's auto-shutdown) ``SUCCEEDED`` or
-  ``FAILED`` from the exit status the first one uploaded (``startup.exit``); ``STOPPED`` when
-  they stopped but no exit status can be read. ``CANCELLED`` when the instances are gone.
+  runs, and once every machine has stopped (the script's auto-shutdown) and uploaded its run
+  folder, ``SUCCEEDED`` or ``FAILED`` from the exit status the first one uploaded
+  (``startup.exit``), the machines deleted; ``STOPPED`` when they stopped but a machine's
+  upload cannot be read (no ``upload_url``, or it failed) or a delete failed: the machines are
+  kept, and billed, until ``cancel``. ``CANCELLED`` when the instances are gone.
 
 A stopped Vultr instance is billed as a running one is, and only a delete ends the bill. The
 machines cannot delete themselves (that needs the account's API key, which never goes to a
@@ -253,22 +255,22 @@ class VultrLauncher:
             if any(i.get("server_status") != "ok" for i in instances if i is not None):
                 return "PENDING"
             return "RUNNING"
-        exit_status = self._read_upload(EXIT_FILE)
-        if self._uploaded(len(ids)):
-            # Every machine has ended and uploaded its run folder (the exit status goes last):
-            # nothing on them is needed any more, and a stopped Vultr instance bills as a
-            # running one does.
-            left = self._delete_all(ids)
-            if left:
-                log.warning("could not delete finished Vultr instances", left=left)
-            else:
-                log.info("the job ended; its machines were deleted", handle=handle)
-        else:
+        if not self._uploaded(len(ids)):
+            # Some results are only on the machines' disks: they are kept, and billed.
             log.warning(
                 "stopped Vultr instances are still billed; cancel the job to delete them once "
                 "their results are copied (with upload_url, status deletes them itself)"
             )
-        return _ended(exit_status, otherwise="STOPPED")
+            return "STOPPED"
+        # Every machine has ended and uploaded its run folder (the exit status goes last):
+        # nothing on them is needed any more, and a stopped Vultr instance bills as a running
+        # one does.
+        left = self._delete_all(ids)
+        if left:
+            log.warning("could not delete finished Vultr instances", left=left)
+            return "STOPPED"
+        log.info("the job ended; its machines were deleted", handle=handle)
+        return _ended(self._read_upload(EXIT_FILE), otherwise="STOPPED")
 
     def logs(self, handle: str) -> str:
         """The first machine's ``startup.log`` from ``upload_url`` once uploaded; until then,
