@@ -17,7 +17,7 @@ import vultr_server
 from vast_server import VastServer
 
 from ups.cloud import local, slurm, vastai, vultr
-from ups.core.launch_record import TERMINAL
+from ups.core import TERMINAL
 from ups.core.testing import run_ups, tiny_project
 
 VAST_KEY = "planted-vast-key-0c4d81b7e2"

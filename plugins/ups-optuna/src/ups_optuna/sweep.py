@@ -36,6 +36,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from ups.core import (
+    TERMINAL,
     Config,
     ConfigError,
     Launcher,
@@ -53,8 +54,6 @@ from .space import Objective, Param, Sweep, parse_sweep
 log = structlog.get_logger()
 matplotlib.use("Agg")  # files only, never a window
 
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
-"""The final states of a launcher's job (``ups.core.Launcher.status``)."""
 RUNNING = optuna.trial.TrialState.RUNNING
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 

@@ -9,6 +9,7 @@ from .launch import run_processes, train
 from .markers import hookimpl
 from .plugins import Registry, load_plugins
 from .records import (
+    TERMINAL,
     CheckpointBackendPlugin,
     Checkpointer,
     CommandPlugin,
@@ -23,6 +24,7 @@ from .records import (
 from .structure import above, at_least, structure
 
 __all__ = [
+    "TERMINAL",
     "CheckpointBackendPlugin",
     "Checkpointer",
     "CommandPlugin",

@@ -29,7 +29,6 @@ from .launch_record import (
     DEFAULT_RUN_DIR,
     HELD,
     RECORD_FILE,
-    TERMINAL,
     LaunchRecord,
     build_launcher,
     find_record,
@@ -37,7 +36,7 @@ from .launch_record import (
     new_record,
 )
 from .plugins import FAMILIES, Registry, load_plugins
-from .records import CommandPlugin, Launcher, LaunchRequest
+from .records import TERMINAL, CommandPlugin, Launcher, LaunchRequest
 from .rundir import PREEMPTED
 from .validate import validate
 

@@ -40,9 +40,6 @@ FORMAT = 1
 RECORD_FILE = "launch.json"
 DEFAULT_RUN_DIR = Path("runs")
 """Where ``ups status RUN`` looks for a run given by name (relative to the working directory)."""
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "STOPPED")
-"""The states in which a job's work has ended (it does not leave them by itself): ``ups logs
---follow`` returns at them."""
 HELD = {
     "STOPPED": "the job has ended, but its machines are kept, and billed, until "
     "`ups cancel {run}` deletes them",

@@ -167,6 +167,12 @@ class LaunchRequest:
     run_dir: Path = Path("runs")
 
 
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "STOPPED")
+"""The states in which a job's work has ended (it does not leave them by itself); a
+:class:`Launcher`'s ``status`` returns one of them or ``PENDING``/``RUNNING``. ``STOPPED``: ended,
+but its machines are kept, and billed, until ``cancel``."""
+
+
 class Launcher(Protocol):
     """Starts and follows jobs on some infrastructure (modelled on torchx's schedulers)."""
 
@@ -179,7 +185,7 @@ class Launcher(Protocol):
         ...
 
     def status(self, handle: str) -> str:
-        """The job's state, e.g. ``PENDING``, ``RUNNING``, ``SUCCEEDED``, ``FAILED``."""
+        """The job's state: ``PENDING``, ``RUNNING`` or one of :data:`TERMINAL`."""
         ...
 
     def logs(self, handle: str) -> str:
