@@ -13,25 +13,39 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ups.cloud.startup import EXIT_FILE, LOG_FILE, Env, StartupScript, main, upload
+from ups.cloud.startup import (
+    EXIT_FILE,
+    LOG_FILE,
+    Env,
+    StartupScript,
+    main,
+    node_upload_url,
+    upload,
+)
+from ups.cloud.vultr import FIRST_MACHINE_RDZV_HOST
 from ups.core import LaunchRequest, UsageError
-from ups.core.testing import tiny_project
+from ups.core.testing import free_port, tiny_project, two_machines
 
 HOSTILE = "a b; rm -rf / $(touch pwned) `touch pwned` 'q' \"dq\""
 SECRET_NAME = "UPS_TEST_API_KEY"
 SECRET = "sk-planted-0123456789abcdef"
 
-# A stand-in for python: records its argv (one JSON list a line) and exits with $FAKE_STATUS.
+# A stand-in for python: records its argv (one JSON list a line) and the network interfaces
+# gloo and NCCL are told (in FAKE_RECORD.env), and exits with $FAKE_STATUS.
 FAKE_PYTHON = """#!/usr/bin/env python3
 import json, os, sys
 with open(os.environ["FAKE_RECORD"], "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
+with open(os.environ["FAKE_RECORD"] + ".env", "a") as f:
+    f.write(json.dumps({k: v for k, v in os.environ.items() if k.endswith("_SOCKET_IFNAME")}))
 sys.exit(int(os.environ.get("FAKE_STATUS", "0")))
 """
 
@@ -52,15 +66,22 @@ def bin_dir(tmp_path: Path) -> Path:
 
 
 def run_script(
-    script: str, tmp_path: Path, bin_dir: Path, env: Mapping[str, str] = {}, timeout: float = 120
+    script: str,
+    tmp_path: Path,
+    bin_dir: Path,
+    env: Mapping[str, str] = {},
+    timeout: float = 120,
+    prefix: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with bash in ``tmp_path`` (``prefix``: the command that runs bash, e.g.
+    ``ip netns exec NAME``), ``bin_dir`` first on its PATH."""
     path = tmp_path / "startup.sh"
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)], check=False).returncode == 0
     environ = {k: v for k, v in os.environ.items() if k != SECRET_NAME}
     environ |= {"PATH": f"{bin_dir}:{os.environ['PATH']}", **env}
     return subprocess.run(
-        ["bash", str(path)],
+        [*prefix, "bash", str(path)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -126,6 +147,7 @@ def test_one_machine_runs_standalone_torchrun() -> None:
         "-m ups.core train c.yaml -o a=1 -o run.output_dir=/root/ups/runs" in script
     )
     assert "shutdown" not in script and "ups.cloud.startup upload" not in script
+    assert "ups_network" not in script and "--local-addr" not in script  # one machine: no search
 
 
 def test_several_machines_rendezvous_on_the_first() -> None:
@@ -162,6 +184,7 @@ def test_several_machines_rendezvous_on_the_first() -> None:
         ({"request": LaunchRequest(config=Path("c"), nnodes=2)}, "rdzv_host"),
         ({"request": LaunchRequest(config=Path("c"), nproc_per_node=0)}, "nproc_per_node"),
         ({"node_rank": 1}, "node_rank 1"),
+        ({"network_interface": "eth0; reboot"}, "network_interface: 'eth0; reboot'"),
     ],
 )
 def test_bad_fields_are_usage_errors(fields: dict[str, Any], message: str) -> None:
@@ -303,6 +326,109 @@ def test_several_machines_take_rank_and_host_from_the_environment(
     assert result.returncode != 0 and "NODE_RANK is not set" in result.stdout
 
 
+VPC = {"eth0": "203.0.113.5/24", "docker0": "172.17.0.1/16", "enp8s0": "10.1.96.3/20"}
+"""A Vultr machine in a VPC: the public NIC carries the default route (via 203.0.113.1)."""
+
+
+@contextmanager
+def machine_with(nics: Mapping[str, str]) -> Iterator[str]:
+    """A network namespace with ``nics`` (name -> address/prefix; veths whose peers stay in
+    it), the first carrying the default route (via its .1); yields its name."""
+    name = f"ups-nics-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        for i, (nic, address) in enumerate(nics.items()):
+            for command in (
+                ["link", "add", nic, "type", "veth", "peer", "name", f"peer{i}"],
+                ["addr", "add", address, "dev", nic],
+                ["link", "set", nic, "up"],
+                ["link", "set", f"peer{i}", "up"],
+            ):
+                subprocess.run(["ip", "-n", name, *command], check=True)
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        gateway = next(iter(nics.values())).rsplit(".", 1)[0] + ".1"
+        subprocess.run(["ip", "-n", name, "route", "add", "default", "via", gateway], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+@pytest.mark.parametrize(
+    ("nics", "rdzv_host", "interface", "found"),
+    [
+        # The first machine (the rendezvous on 127.0.0.1, vastai's localhost): the VPC's NIC.
+        (VPC, "127.0.0.1", None, ("1", "10.1.96.3", "enp8s0")),
+        (VPC, "localhost", None, ("1", "10.1.96.3", "enp8s0")),
+        # Another machine: the NIC and source address of its route to the first one.
+        (VPC, "10.1.96.4", None, ("0", "10.1.96.3", "enp8s0")),
+        (VPC, "198.51.100.7", None, ("0", "203.0.113.5", "eth0")),
+        # The first machine named by its own address.
+        (VPC, "10.1.96.3", None, ("1", "10.1.96.3", "enp8s0")),
+        # A named interface always wins.
+        (VPC, "127.0.0.1", "eth0", ("1", "203.0.113.5", "eth0")),
+        (VPC, "10.1.96.4", "docker0", ("0", "172.17.0.1", "docker0")),
+        # One NIC, public or private (a container's): that one.
+        ({"eth0": "203.0.113.5/24"}, "127.0.0.1", None, ("1", "203.0.113.5", "eth0")),
+        ({"eth0": "172.17.0.2/16", "docker0": "172.18.0.1/16"}, "localhost", None,
+         ("1", "172.17.0.2", "eth0")),
+    ],
+)  # fmt: skip
+def test_each_machine_finds_its_address_on_the_job_network(
+    tmp_path: Path,
+    bin_dir: Path,
+    nics: dict[str, str],
+    rdzv_host: str,
+    interface: str | None,
+    found: tuple[str, str, str],
+) -> None:
+    is_host, address, nic = found
+    spec = quick(
+        tmp_path,
+        bin_dir,
+        request=LaunchRequest(config=Path("c.yaml"), nnodes=2, nproc_per_node=1),
+        node_rank=Env("NODE_RANK"),
+        rdzv_host=rdzv_host,
+        network_interface=interface,
+    )
+    record = tmp_path / "record"
+    env = {"FAKE_RECORD": str(record), "NODE_RANK": "0", "NCCL_SOCKET_IFNAME": "=mine"}
+    with machine_with(nics) as namespace:
+        result = run_script(
+            spec.render(), tmp_path, bin_dir, env, prefix=("ip", "netns", "exec", namespace)
+        )
+    assert result.returncode == 0, result.stdout
+    (train,) = recorded(tmp_path)
+    assert train[14:18] == ["--rdzv-conf", f"is_host={is_host}", "--local-addr", address]
+    # gloo is told the interface; NCCL keeps the one the environment sets.
+    gloo = {"GLOO_SOCKET_IFNAME": nic, "NCCL_SOCKET_IFNAME": "=mine"}
+    assert json.loads(record.with_suffix(".env").read_text()) == gloo
+    assert f"network: machine 0 is {address} on {nic}" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"network_interface": "ens7"}, "no IPv4 address on ens7 for the other machines to "
+         "reach; set network_interface"),
+        ({"rdzv_host": "no-such-host.invalid"}, "cannot reach the rendezvous host no-such-host"),
+    ],
+)  # fmt: skip
+def test_no_address_for_the_other_machines_stops_the_script(
+    tmp_path: Path, bin_dir: Path, fields: dict[str, Any], message: str
+) -> None:
+    request = LaunchRequest(config=Path("c.yaml"), nnodes=2)
+    spec = quick(tmp_path, bin_dir, request=request, node_rank=1, rdzv_host="10.1.96.4")
+    env = {"FAKE_RECORD": str(tmp_path / "record")}
+    script = StartupScript(**(attrs_fields(spec) | fields)).render()
+    with machine_with(VPC) as namespace:
+        result = run_script(
+            script, tmp_path, bin_dir, env, prefix=("ip", "netns", "exec", namespace)
+        )
+    assert result.returncode == 1
+    assert message in result.stdout
+    assert not (tmp_path / "record").exists()  # training never started
+
+
 @pytest.mark.parametrize(("gpus", "nproc"), [(0, "1"), (2, "2")])
 def test_gpu_means_one_process_per_gpu(
     tmp_path: Path, bin_dir: Path, gpus: int, nproc: str
@@ -387,4 +513,63 @@ def test_a_script_trains_uploads_and_shuts_down(tmp_path: Path, bin_dir: Path) -
     assert result.returncode != 0
     assert (runs / EXIT_FILE).read_text() == f"{result.returncode}\n"
     assert (bucket / LOG_FILE).exists() and "no_such_key" in (bucket / LOG_FILE).read_text()
+    assert shutdown_calls(tmp_path) == ["-h now", "-h now"]
+
+
+@pytest.mark.slow
+def test_two_machines_train_over_the_private_network(tmp_path: Path, bin_dir: Path) -> None:
+    """A 2-machine job's two scripts, as vultr renders them, each run in a network namespace
+    under a hostname of its own that resolves to nothing: they find the address and interface
+    the other machine reaches them on, form their process group over it and train to the end."""
+    source = tmp_path / "source"
+    tiny_project(source, distributed={"backend": "gloo", "timeout_s": 30})
+    files = {name: (source / name).read_text() for name in ("run.yaml", "tiny.py")}
+    tag, bucket = f"s{os.getpid() % 10000}", tmp_path / "bucket"
+    request = LaunchRequest(config=Path("run.yaml"), nproc_per_node=1, nnodes=2)
+
+    def machine(rank: int, namespace: str) -> subprocess.CompletedProcess[str]:
+        spec = StartupScript(
+            request=request,
+            workdir=str(tmp_path / "machine"),  # each machine's own disk, mounted there
+            files=files,
+            python=sys.executable,
+            node_rank=rank,
+            rdzv_host=FIRST_MACHINE_RDZV_HOST if rank == 0 else "10.77.0.1",
+            rdzv_port=port,
+            rdzv_id=f"ups-{tag}",
+            upload_url=node_upload_url(bucket.as_uri(), rank),
+            auto_shutdown=True,
+        )
+        disk = tmp_path / f"m{rank}"
+        (disk / "machine").mkdir(parents=True)
+        # A label for a hostname, as a cloud VM has, that nothing resolves (no DNS in here).
+        boot = f'hostname "$0" && ! getent hosts "$0" && mount --bind {disk}/machine "$1"'
+        boot += ' && shift && exec "$@"'
+        prefix = ("ip", "netns", "exec", namespace, "unshare", "--uts", "--mount", "sh", "-c")
+        prefix += (boot, f"ups-{tag}-machine-{rank}", spec.workdir)
+        env = {"OMP_NUM_THREADS": "1"}
+        return run_script(spec.render(), tmp_path / f"m{rank}", bin_dir, env, 90, prefix)
+
+    port = free_port()
+    (tmp_path / "machine").mkdir()
+    with two_machines(tag) as namespaces, ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(machine, (0, 1), namespaces)
+    for result in (first, second):
+        assert result.returncode == 0, result.stdout[-4000:]
+    runs = [tmp_path / f"m{rank}" / "machine" / "runs" for rank in (0, 1)]
+    assert [(run / EXIT_FILE).read_text() for run in runs] == ["0\n", "0\n"]
+    for rank, (run, end) in enumerate(zip(runs, "ab", strict=True)):
+        found = (
+            f"machine {rank} is 10.77.0.{rank + 1} on v{tag}{end} (GLOO_SOCKET_IFNAME=v{tag}{end},"
+        )
+        assert f"network: {found}" in (run / LOG_FILE).read_text()
+    # Global rank 0 (on either machine) saved the checkpoints: of a world of 2, to the end.
+    checkpoints = [p for run in runs for p in (run / "tiny" / "checkpoints").glob("step-*.pt")]
+    assert [p.name for p in checkpoints] == ["step-000000004.pt"]  # 64 samples, 8 a batch, 2 ranks
+    import torch
+
+    state = torch.load(checkpoints[0], weights_only=False)["state"]
+    assert (state["world_size"], state["step"]) == (2, 4)
+    assert (bucket / EXIT_FILE).read_text() == "0\n"
+    assert (bucket / "nodes" / "1" / EXIT_FILE).read_text() == "0\n"
     assert shutdown_calls(tmp_path) == ["-h now", "-h now"]

@@ -19,7 +19,12 @@ import pytest
 from vast_server import VastServer
 
 from ups.cloud.startup import EXIT_FILE, LOG_FILE
-from ups.cloud.vastai import VastAIError, VastAILauncher, VastAILauncherOptions
+from ups.cloud.vastai import (
+    MULTI_MACHINE_WARNING,
+    VastAIError,
+    VastAILauncher,
+    VastAILauncherOptions,
+)
 from ups.core import LaunchRequest, UsageError
 from ups.core.testing import tiny_project
 
@@ -103,11 +108,25 @@ def test_submit_status_logs_cancel(server: VastServer, capsys: pytest.CaptureFix
     assert KEY not in out.out + out.err + handle
 
 
-def test_several_machines_rendezvous_on_the_first(server: VastServer) -> None:
-    vast = launcher(server, gpu_name="RTX 4090", num_gpus=2, upload_url="s3://bucket/run")
+def test_several_machines_rendezvous_on_the_first(
+    server: VastServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    vast = launcher(
+        server, gpu_name="RTX 4090", num_gpus=2, upload_url="s3://bucket/run",
+        network_interface="eth1",
+    )  # fmt: skip
     text = vast.dry_run(request(nnodes=2))
     assert "estimated cost: $1.5000/hour for 2 machine(s)" in text
+    # Only the rendezvous port is mapped: the dry run and the submit say what else it needs.
+    assert f"# warning: {MULTI_MACHINE_WARNING}\n" in text
+
+    def warned() -> int:
+        logged = capsys.readouterr()
+        return (logged.out + logged.err).count("must reach each other directly on every port")
+
+    assert warned() == 1
     handle = vast.submit(request(nnodes=2))
+    assert warned() == 1
     assert handle == "vastai:9001,9002"
     first, second = creates(server)
     assert first["env"] == {"-p 29500:29500": "1"}
@@ -117,6 +136,9 @@ def test_several_machines_rendezvous_on_the_first(server: VastServer) -> None:
     port = server.instances[9001]["ports"]["29500/tcp"][0]["HostPort"]
     assert f"--rdzv-endpoint {host}:{port}" in second["onstart"]
     assert "--node-rank 1" in second["onstart"]
+    # each machine forms the process group on the interface named
+    assert "  ups_network 0 localhost eth1\n" in first["onstart"]
+    assert f"  ups_network 1 {host} eth1\n" in second["onstart"]
     # each machine uploads its run folder to a place of its own
     assert 'upload "$UPS_RUN_DIR" s3://bucket/run ||' in first["onstart"]
     assert 'upload "$UPS_RUN_DIR" s3://bucket/run/nodes/1 ||' in second["onstart"]
@@ -125,6 +147,9 @@ def test_several_machines_rendezvous_on_the_first(server: VastServer) -> None:
     assert "==> instance 9002 (node 1) <==\nnode one says hi" in vast.logs(handle)
     vast.cancel(handle)
     assert server.live() == []
+    # One machine needs no other: no warning.
+    vast.cancel(vast.submit(request(nnodes=1)))
+    assert "warning" not in vast.dry_run(request(nnodes=1)) and warned() == 0
 
 
 def test_a_failed_create_tears_down_what_was_created(server: VastServer) -> None:

@@ -74,6 +74,10 @@ def test_dry_run_shows_every_request_and_the_cost_and_creates_nothing(
     assert "about $0.268/hour for 2 machine(s)" in text
     assert posts(server) == []
     assert all(r["method"] == "GET" for r in server.requests)
+    # A NIC named in the options is the one each machine forms the process group on.
+    named = launcher(server, network_interface="enp8s0").dry_run(request(nnodes=2))
+    assert "  ups_network 0 127.0.0.1 enp8s0\n" in named
+    assert "  ups_network 1 '<internal_ip of machine 0>' enp8s0\n" in named
 
 
 def test_two_machines_rendezvous_on_the_first_ones_private_address(
@@ -92,6 +96,11 @@ def test_two_machines_rendezvous_on_the_first_ones_private_address(
     assert "--nnodes 2 --node-rank 0" in first and "--node-rank 1" in second
     assert "--rdzv-endpoint 127.0.0.1:29500" in first  # it serves the rendezvous
     assert f"--rdzv-endpoint {first_ip}:29500" in second
+    # Each finds its own VPC address at start (the first: beside the public NIC; the second:
+    # the route to the first) for the process group, not its hostname.
+    assert "  ups_network 0 127.0.0.1 ''\n" in first
+    assert f"  ups_network 1 {first_ip} ''\n" in second
+    assert '--local-addr "$UPS_LOCAL_ADDR"' in first and '--local-addr "$UPS_LOCAL_ADDR"' in second
     assert "ups-cloud==0.1.0" in first and "build_model" in first  # pins, files
     assert f"{upload.as_uri()}/nodes/1" in second  # each machine uploads to its own place
     assert all(p["body"]["enable_vpc"] is True for p in created)

@@ -10,7 +10,12 @@ machine it is given to (as VastAI's on-start script or Vultr's user data, say):
 5. runs ``torch.distributed.run`` (torchrun) with ``--nproc-per-node`` processes (a number, or
    ``"gpu"``: one per GPU that ``nvidia-smi -L`` lists, at least one) and, on several machines,
    ``--nnodes N --node-rank R`` and a c10d rendezvous on the first machine, running
-   ``-m ups.core train CONFIG -o ... -o run.output_dir=RUN_DIR`` as the ``local`` launcher does;
+   ``-m ups.core train CONFIG -o ... -o run.output_dir=RUN_DIR`` as the ``local`` launcher does.
+   On several machines it first finds the address and network interface the other machines
+   reach this one on (see :attr:`StartupScript.network_interface`) and gives them to torchrun
+   (``--local-addr``: where the process group's store is served when this machine hosts it)
+   and to gloo and NCCL (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``), so that neither
+   depends on the machine's hostname, which a cloud machine's peers often cannot resolve;
 
 then, whether those steps succeeded or not (a trap on ``EXIT``):
 
@@ -58,6 +63,60 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # PEP 508 distribution names, and the characters of PEP 440 versions.
 _DIST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]*")
+# Linux interface names: at most 15 characters, no slash, colon or white space.
+_INTERFACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,14}")
+
+NETWORK_FUNCTIONS = r"""# The address and interface the job's other machines reach this one on (a multi-machine job):
+# sets UPS_LOCAL_ADDR, UPS_IFACE, and UPS_IS_HOST (1: this machine serves the rendezvous).
+# $1: this machine's rank; $2: the rendezvous host; $3: the interface to use, or empty to
+# find it (see StartupScript.network_interface in ups.cloud.startup).
+ups_field() { awk -v key="$1" '{for (i = 1; i < NF; i++) if ($i == key) {print $(i + 1); exit}}'; }
+ups_iface_addr() {
+  { ip -4 -o addr show dev "$1" scope global 2>/dev/null || true; } | awk '{split($4, a, "/"); print a[1]; exit}'
+}
+ups_private_iface() {
+  local def
+  def=$({ ip -4 -o route show default 2>/dev/null || true; } | ups_field dev)
+  ip -4 -o addr show scope global | awk -v def="$def" '
+    $2 ~ /^(lo$|docker|br-|virbr|veth)/ {next}
+    {split($4, a, "/"); split(a[1], o, ".")}
+    !p && $2 != def && (o[1] == 10 || (o[1] == 172 && o[2] >= 16 && o[2] <= 31) ||
+      (o[1] == 192 && o[2] == 168)) {p = $2}
+    !d && $2 == def {d = $2}
+    !f {f = $2}
+    END {print p ? p : d ? d : f}'
+}
+ups_network() {
+  local address route
+  address=$(getent ahostsv4 "$2" | awk 'NR == 1 {print $1}' || true)
+  route=$(ip -4 -o route get "${address:-$2}" 2>&1) || {
+    ups_say "cannot reach the rendezvous host $2: $route"
+    return 1
+  }
+  UPS_IS_HOST=0 UPS_IFACE=$3 UPS_LOCAL_ADDR=
+  if [ "$(ups_field dev <<<"$route")" = lo ]; then UPS_IS_HOST=1; fi
+  if [ -z "$UPS_IFACE" ] && [ "$UPS_IS_HOST" = 0 ]; then
+    UPS_IFACE=$(ups_field dev <<<"$route")
+    UPS_LOCAL_ADDR=$(ups_field src <<<"$route")
+  elif [ -z "$UPS_IFACE" ]; then
+    UPS_LOCAL_ADDR=$(ups_field src <<<"$route")
+    case "$UPS_LOCAL_ADDR" in
+      127.*) UPS_LOCAL_ADDR= UPS_IFACE=$(ups_private_iface) ;;
+      *) UPS_IFACE=$(ip -4 -o addr show | awk -v a="$UPS_LOCAL_ADDR" 'index($4, a "/") == 1 {print $2; exit}') ;;
+    esac
+  fi
+  UPS_LOCAL_ADDR=${UPS_LOCAL_ADDR:-$(ups_iface_addr "$UPS_IFACE")}
+  if [ -z "$UPS_IFACE" ] || [ -z "$UPS_LOCAL_ADDR" ]; then
+    ups_say "no IPv4 address on ${UPS_IFACE:-any network interface} for the other machines to reach; set network_interface"
+    return 1
+  fi
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$UPS_IFACE}"
+  export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$UPS_IFACE}"
+  ups_say "network: machine $1 is $UPS_LOCAL_ADDR on $UPS_IFACE (GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME)"
+}
+"""
+"""The bash functions of a multi-machine script that find the machine's address on the job's
+network (the rule: :attr:`StartupScript.network_interface`)."""
 
 
 def _env_name(name: str, what: str) -> str:
@@ -179,6 +238,11 @@ def _check_workdir(_i: object, _a: object, workdir: str) -> None:
         raise UsageError(f"workdir must be an absolute path, not {workdir!r}")
 
 
+def _check_interface(_i: object, _a: object, name: str | None) -> None:
+    if name is not None and not (isinstance(name, str) and _INTERFACE.fullmatch(name)):
+        raise UsageError(f"network_interface: {name!r} is not a network interface name")
+
+
 def _check_nproc(_i: object, _a: object, nproc: int | Literal["gpu"] | None) -> None:
     if nproc is not None and nproc != "gpu" and not (isinstance(nproc, int) and nproc >= 1):
         raise UsageError(f"nproc_per_node must be a number >= 1 or 'gpu', not {nproc!r}")
@@ -214,6 +278,24 @@ class StartupScript:
     rdzv_port: int = 29500
     rdzv_id: str = "ups"
     """The rendezvous id, the same on every machine of a job."""
+    network_interface: str | None = attrs.field(default=None, validator=_check_interface)
+    """The network interface (e.g. ``enp8s0``) whose IPv4 address the other machines of a
+    multi-machine job reach this one on; ignored on one machine. The script gives its address
+    to torchrun (``--local-addr``) and the name to gloo and NCCL (``GLOO_SOCKET_IFNAME`` and
+    ``NCCL_SOCKET_IFNAME``, unless the environment sets them already).
+
+    ``None`` (the default): found at start, from the route to ``rdzv_host`` (``ip -4 route
+    get``): when it leaves the machine (machines R > 0), its interface and source address;
+    when it is this machine's own non-loopback address, the interface holding it; when it is
+    a loopback address (the first machine, which vultr and vastai give ``127.0.0.1`` or
+    ``localhost``), the first interface with a private (RFC 1918) address that does not carry
+    the default route (a VPC's NIC beside the public one), else the default route's interface
+    (a machine with one NIC); ``lo``, ``docker*``, ``br-*``, ``virbr*`` and ``veth*`` are
+    never chosen there. Name the interface when the rule picks the wrong one.
+
+    The script also tells torchrun whether this machine serves the rendezvous (``--rdzv-conf
+    is_host=1`` when the route to ``rdzv_host`` is local), which torch would otherwise find out
+    from the hostname. It needs ``ip`` (iproute2) and ``getent`` on the machine."""
     max_restarts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     """How often torchrun restarts the ranks after a failure (the config's
     ``distributed.max_restarts``); a restarted job resumes from its newest checkpoint."""
@@ -263,6 +345,9 @@ class StartupScript:
             words += ["--nnodes", str(request.nnodes), "--node-rank", _word(self.node_rank)]
             words += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{self.rdzv_port}"]
             words += ["--rdzv-id", shlex.quote(self.rdzv_id)]
+            # Found by the script (NETWORK_FUNCTIONS): torch's defaults come from the
+            # hostname, which the other machines may not resolve (nor this one).
+            words += ["--rdzv-conf", '"is_host=$UPS_IS_HOST"', "--local-addr", '"$UPS_LOCAL_ADDR"']
         overrides = (*request.overrides, f"run.output_dir={self.run_dir}")
         words += [shlex.quote(arg) for arg in train_args(request.config, overrides)]
         return words
@@ -288,6 +373,7 @@ class StartupScript:
             "",
             'ups_say() { printf \'[ups-startup %s] %s\\n\' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*"; }',
             "",
+            *([NETWORK_FUNCTIONS] if self.request.nnodes > 1 else []),
             "ups_finish() {",
             "  local status=$?",
             "  trap - EXIT",
@@ -339,6 +425,11 @@ class StartupScript:
             ]
         else:
             lines.append(f"  NPROC={self.nproc_per_node or self.request.nproc_per_node}")
+        if self.request.nnodes > 1:
+            assert self.rdzv_host is not None  # checked in __attrs_post_init__
+            interface = q(self.network_interface or "")
+            host, rank = _word(self.rdzv_host), _word(self.node_rank)
+            lines.append(f"  ups_network {rank} {host} {interface}")
         torchrun = " ".join(self.torchrun_args())
         lines += [
             f'  ups_say "training: {self.request.nnodes} machine(s), $NPROC process(es) each"',

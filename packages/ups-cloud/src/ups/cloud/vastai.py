@@ -19,7 +19,12 @@ Several machines: the first instance is created, and once it is running its publ
 and the host port mapped to its container port ``rdzv_port`` become the c10d rendezvous
 endpoint of the others (it itself uses ``localhost``), which are then created. If creating any
 of them fails, or one is not running within ``ready_timeout_s``, every instance created is
-destroyed and the error names them.
+destroyed and the error names them. That mapped port carries the rendezvous only: the
+process group's store and gloo/NCCL then connect to each machine's own address (the one its
+script finds, or that of ``network_interface``) on ports not mapped, so a multi-machine job
+trains only where the machines reach each other directly on every port (one private network
+or overlay); behind VastAI's NAT it waits until torch's timeouts end it, billing.
+``dry_run`` and ``submit`` log a warning (:data:`MULTI_MACHINE_WARNING`) for every such job.
 
 Secrets: the API key is read from the environment variable ``api_key_env`` or from the file
 ``api_key_file``, and handed to the client in this process: it is never on a command line,
@@ -66,6 +71,14 @@ VASTAI_PIN = "vastai==1.9.1"
 """What the start-up script installs on the machine to stop its instance."""
 MAX_RETRY_AFTER_S = 60.0
 """The longest ``Retry-After`` the ``vastai`` client waits out; it does not retry a longer one."""
+MULTI_MACHINE_WARNING = (
+    "vastai: the machines of a multi-machine job must reach each other directly on every "
+    "port: only the rendezvous port is mapped through VastAI's NAT, and the process group "
+    "connects to each machine's own address (network_interface names its NIC) on other "
+    "ports; machines on different hosts without a shared private network wait until the "
+    "job times out, billing"
+)
+"""What ``dry_run`` and ``submit`` log (and the dry run shows) for a job of several machines."""
 _NEAREST = 3
 _T = TypeVar("_T")
 
@@ -125,6 +138,10 @@ class VastAILauncherOptions:
     the config (see :func:`ups.cloud.startup.machine_files`)."""
     data_step: str | None = None
     rdzv_port: int = 29500
+    network_interface: str | None = None
+    """The NIC on which the machines of a multi-machine job reach each other directly (every
+    port: see :data:`MULTI_MACHINE_WARNING`); ``None``: each machine's script finds it
+    (:attr:`ups.cloud.startup.StartupScript.network_interface`)."""
     label: str = "ups"
 
 
@@ -270,6 +287,7 @@ class VastAILauncher:
             node_rank=node_rank,
             rdzv_host=host if request.nnodes > 1 else None,
             rdzv_port=port,
+            network_interface=o.network_interface,
             max_restarts=load_config(request.config, request.overrides).distributed.max_restarts,
             upload_url=node_upload_url(o.upload_url, node_rank),
             auto_shutdown=o.auto_shutdown,
@@ -345,6 +363,8 @@ class VastAILauncher:
                 "# nodes 1.. are created once node 0 runs; FIRST_INSTANCE_PUBLIC_IP:0 becomes "
                 f"its public address and the host port mapped to {self.options.rdzv_port}/tcp"
             )
+            lines.append(f"# warning: {MULTI_MACHINE_WARNING}")
+        _warn_multi_machine(request)
         return "\n".join(lines) + "\n"
 
     def submit(self, request: LaunchRequest) -> str:
@@ -354,6 +374,7 @@ class VastAILauncher:
         _check_request(request)
         client = self._client()
         offers = self.choose_offers(client, request)
+        _warn_multi_machine(request)  # once the key and the offers are good
         created: list[int] = []
         try:
             rdzv: tuple[str, int] | None = None
@@ -509,6 +530,11 @@ def _check_request(request: LaunchRequest) -> None:
         raise UsageError(f"vastai: nnodes must be >= 1, not {request.nnodes}")
     if request.nproc_per_node < 1:
         raise UsageError(f"vastai: nproc_per_node must be >= 1, not {request.nproc_per_node}")
+
+
+def _warn_multi_machine(request: LaunchRequest) -> None:
+    if request.nnodes > 1:
+        log.warning(MULTI_MACHINE_WARNING, nnodes=request.nnodes)
 
 
 def _single(request: LaunchRequest) -> LaunchRequest:

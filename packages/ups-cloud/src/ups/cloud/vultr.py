@@ -6,6 +6,9 @@ as its user data (base64; cloud-init runs it once at first boot), and waits unti
 ``active``. With several machines every instance joins a VPC (``vpc_id``, or ``enable_vpc``:
 the region's default one) and the first is created alone: the others are created once its
 private address (``internal_ip``) is known, and their scripts hold it as the rendezvous host.
+Each machine's script finds its own address and NIC on the VPC (the one with a private address
+beside the public NIC, or the route to the first machine; ``network_interface`` names it
+instead) and forms the process group over it (see :attr:`ups.cloud.startup.StartupScript.network_interface`).
 If creating any instance fails, or one is not ready within ``ready_timeout_s``, every instance
 created is deleted and the error says so. The handle is ``vultr:ID1,ID2,...`` (first machine
 first); it holds no secret.
@@ -106,6 +109,10 @@ class VultrLauncherOptions:
     """A marketplace application image instead of ``os_id``."""
     vpc_id: str | None = None
     """The VPC the machines of a multi-machine job join; default: the region's default VPC."""
+    network_interface: str | None = None
+    """The NIC (e.g. ``enp8s0``) on which the machines of a multi-machine job reach each other;
+    ``None``: each machine finds its VPC NIC at start (the rule:
+    :attr:`ups.cloud.startup.StartupScript.network_interface`)."""
     api_key_env: str = "VULTR_API_KEY"
     """The environment variable that holds the API key."""
     api_key_file: Path | None = attrs.field(default=None, converter=_optional_path)
@@ -463,11 +470,13 @@ class VultrLauncher:
             nproc_per_node=o.nproc_per_node,
             node_rank=rank,
             # The first machine serves the rendezvous itself: torch takes a loopback endpoint
-            # for its own, and the store listens on every interface (the VPC's included).
+            # for its own, and the store listens on every interface (the VPC's included);
+            # the script finds each machine's VPC address for the process group.
             rdzv_host=(FIRST_MACHINE_RDZV_HOST if rank == 0 else host)
             if request.nnodes > 1
             else None,
             rdzv_id=f"{o.label_prefix}-{name}",
+            network_interface=o.network_interface,
             max_restarts=load_config(request.config, request.overrides).distributed.max_restarts,
             upload_url=node_upload_url(o.upload_url, rank),
             auto_shutdown=o.auto_shutdown,
