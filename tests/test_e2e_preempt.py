@@ -80,7 +80,12 @@ def test_ups_train_signalled_saves_and_exits_without_a_traceback(
     log = tmp_path / "runs" / "tiny" / "logs" / "rank0.jsonl"
     env = {**os.environ, "UPS_LOG_FORMAT": "json"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"],
+        # Epochs enough that the run is still going when the signal comes, however slow the
+        # machine is to notice its first step (3 epochs ended before it, once, in CI).
+        [
+            *(sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"),
+            *("-o", "training.epochs=100000"),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
