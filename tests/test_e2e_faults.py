@@ -237,7 +237,7 @@ def test_kill_9_during_a_checkpoint_write_resumes_from_the_previous_one(
 def test_a_sigterm_to_a_worker_saves_at_the_next_step_and_the_resumed_run_ends_equal(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    config, pids = watched_project(tmp_path, delay=0.05)
+    config, pids = watched_project(tmp_path, delay=0.2)
     env = {**os.environ, "UPS_LOG_FORMAT": "json"}
     command = [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"]
     with subprocess.Popen(
