@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ups.cloud.startup import (
     EXIT_FILE,
@@ -566,9 +567,7 @@ def test_two_machines_train_over_the_private_network(tmp_path: Path, bin_dir: Pa
     # Global rank 0 (on either machine) saved the checkpoints: of a world of 2, to the end.
     checkpoints = [p for run in runs for p in (run / "tiny" / "checkpoints").glob("step-*.pt")]
     assert [p.name for p in checkpoints] == ["step-000000004.pt"]  # 64 samples, 8 a batch, 2 ranks
-    import torch
-
-    state = torch.load(checkpoints[0], weights_only=False)["state"]
+    state = torch.load(checkpoints[0], weights_only=True)["state"]
     assert (state["world_size"], state["step"]) == (2, 4)
     assert (bucket / EXIT_FILE).read_text() == "0\n"
     assert (bucket / "nodes" / "1" / EXIT_FILE).read_text() == "0\n"

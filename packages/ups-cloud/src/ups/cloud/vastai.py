@@ -5,9 +5,10 @@ price cap; cheapest first), creates one instance per machine (``PUT /asks/OFFER/
 ``image`` and the start-up script of :mod:`ups.cloud.startup` as its on-start command, and waits
 until every instance is ``running`` (``GET /instances/ID/``). The script carries the config
 and the files listed in ``files`` (read at launch), which it writes under ``/root/ups`` on the
-machine before training there into ``/root/ups/runs`` (or the request's relative ``run_dir``). ``status`` reads the instances,
-``logs`` fetches their logs (``PUT /instances/request_logs/ID/``, then the ``result_url`` it
-names) and ``cancel`` destroys them (``DELETE /instances/ID/``). All of it goes through the
+machine before training there into ``/root/ups/runs`` (or the request's relative ``run_dir``).
+``status`` reads the instances, ``logs`` fetches their logs (``PUT
+/instances/request_logs/ID/``, then the ``result_url`` it names) and ``cancel`` destroys them
+(``DELETE /instances/ID/``). All of it goes through the
 maintained ``vastai`` package's API layer (``vastai.api``: its ``VastClient``), pointed at
 ``url``. The client tries a request up to ``retries`` times while it is answered 429 or
 502/503/504: it waits what ``Retry-After`` says (a wait over 60 s is not retried), else 0.15 s,

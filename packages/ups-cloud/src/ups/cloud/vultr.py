@@ -8,7 +8,8 @@ the region's default one) and the first is created alone: the others are created
 private address (``internal_ip``) is known, and their scripts hold it as the rendezvous host.
 Each machine's script finds its own address and NIC on the VPC (the one with a private address
 beside the public NIC, or the route to the first machine; ``network_interface`` names it
-instead) and forms the process group over it (see :attr:`ups.cloud.startup.StartupScript.network_interface`).
+instead) and forms the process group over it (see
+:attr:`ups.cloud.startup.StartupScript.network_interface`).
 If creating any instance fails, or one is not ready within ``ready_timeout_s``, every instance
 created is deleted and the error says so. The handle is ``vultr:ID1,ID2,...`` (first machine
 first); it holds no secret.
