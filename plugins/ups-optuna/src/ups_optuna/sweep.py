@@ -67,10 +67,11 @@ class JobLeftRunningError(SignalException):
     trial's job: it may still be running (and, on a cloud, billing)."""
 
     def __init__(self, sigval: signal.Signals, *, launcher: str, handle: str, reason: str) -> None:
-        super().__init__(f"{launcher}: job {handle} not cancelled: {reason}", sigval=sigval)
-        self.launcher = launcher
-        self.handle = handle
-        self.reason = reason
+        super().__init__(
+            f"its job may still be running: cancel it through launcher {launcher!r} "
+            f"(job {handle}; cancel failed: {reason})",
+            sigval=sigval,
+        )
 
 
 class SweepInterruptedError(Exception):
@@ -439,12 +440,7 @@ def sweep(
         except (KeyboardInterrupt, SignalException) as stop:
             _queue_again(found, trial)
             sig = signal.SIGINT if isinstance(stop, KeyboardInterrupt) else stop.sigval
-            left = (
-                f"; its job may still be running: cancel it through launcher {stop.launcher!r} "
-                f"(job {stop.handle}; cancel failed: {stop.reason})"
-                if isinstance(stop, JobLeftRunningError)
-                else ""
-            )
+            left = f"; {stop}" if isinstance(stop, JobLeftRunningError) else ""
             raise SweepInterruptedError(
                 f"sweep interrupted by {sig.name} during trial {trial.number}: its parameters "
                 f"run first when the same command resumes the sweep{left}",
