@@ -21,6 +21,7 @@ from .records import (
     NoOptions,
     SamplerPlugin,
 )
+from .step import Step, StepError
 from .structure import above, at_least, structure
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "Registry",
     "RunContext",
     "SamplerPlugin",
+    "Step",
+    "StepError",
     "TrainResult",
     "UsageError",
     "above",

@@ -54,12 +54,48 @@ class FactoryConfig:
 
 
 @attrs.frozen(kw_only=True)
+class LoaderConfig:
+    """How batches are read: ``torch.utils.data.DataLoader``'s options. The sampler's state
+    and data-side randomness stay exact with workers (:mod:`ups.core.loader`)."""
+
+    num_workers: int = attrs.field(default=0, validator=at_least(0))
+    """Worker processes per rank reading and collating batches; ``0``: in the training process."""
+    pin_memory: bool | None = None
+    """Collate into pinned memory, for asynchronous copies to the GPU; ``null``: on with CUDA."""
+    persistent_workers: bool = False
+    """Keep the workers between epochs (needs ``num_workers > 0``)."""
+    prefetch_factor: int | None = attrs.field(default=None, validator=at_least(1))
+    """Batches each worker reads ahead; ``null``: torch's default, 2 (needs ``num_workers > 0``)."""
+    collate: str | None = None
+    """``package.module:callable`` or ``file.py:callable`` making a batch of a list of samples;
+    ``null``: torch's ``default_collate`` (tuples, dicts, namedtuples of tensors)."""
+    multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = None
+    """How workers start; ``null``: the platform's default."""
+
+
+@attrs.frozen(kw_only=True)
 class DataConfig(FactoryConfig):
-    """The training data: ``factory(**options)`` returns a map-style dataset whose items are
-    ``(inputs, targets)`` or ``(inputs, targets, task_id)``."""
+    """The training data: ``factory(**options)`` returns a map-style dataset; its items, as
+    ``data.loader.collate`` makes batches of them, are what the step takes (by default
+    ``(inputs, targets)`` or ``(inputs, targets, task_id)``)."""
 
     tasks: tuple[str, ...] = ()
     """Names of the tasks of multi-task data, in the order of their task ids."""
+    loader: LoaderConfig = attrs.field(factory=LoaderConfig)
+    """How batches are read (workers, pinned memory, collate); evaluation reads alike."""
+
+
+@attrs.frozen(kw_only=True)
+class StepConfig:
+    """The training step (:class:`ups.core.Step`): how a batch becomes outputs, a loss, task
+    ids and metrics, in training and evaluation."""
+
+    factory: str = "ups.core:Step"
+    """``file.py:callable`` or ``package.module:callable`` returning a :class:`ups.core.Step`;
+    the default, the built-in step, takes ``training.loss`` and ``metrics.factory``."""
+    options: dict[str, Any] = attrs.field(factory=dict)
+    """Keyword arguments of ``factory``; for the built-in step: ``inputs``, ``target``,
+    ``task`` (indices or keys of the batch: ``{inputs: [u0, params], target: u_t}``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -91,9 +127,15 @@ class EvalConfig(FactoryConfig):
 
 @attrs.frozen(kw_only=True)
 class MetricsConfig(FactoryConfig):
-    """User metrics: ``factory(**options)`` returns ``fn(outputs, targets)``, called on every
-    training micro-batch without gradients, returning a mapping of metric names to numbers
-    (floats or 0-d tensors). Every rank must return the same names."""
+    """User metrics, computed on every micro-batch without gradients, in training and
+    evaluation: a step's :meth:`~ups.core.Step.metrics`, or for the built-in step
+    ``factory(**options)``, a ``fn(outputs, targets)``. Either returns a mapping of names to
+    numbers (floats or 0-d tensors) or to per-sample tensors (averaged, and per task). Every
+    rank must return the same names."""
+
+    factory: str | None = None  # type: ignore[assignment]
+    """``fn(outputs, targets)``'s maker, for the built-in step; ``null``: the step's own
+    ``metrics`` (a step of ``step.factory`` computes its metrics itself)."""
 
     reduce: dict[str, Literal["mean", "sum", "max"]] = attrs.field(factory=dict)
     """How each metric is aggregated over the batches of a report and over all ranks:
@@ -218,7 +260,9 @@ class Config:
     eval: EvalConfig | None = None
     """Evaluation data and how often to evaluate; ``null``: no evaluation."""
     metrics: MetricsConfig | None = None
-    """User metrics reported with the loss; ``null``: the loss only."""
+    """User metrics reported with the loss; ``null``: the loss and the step's own metrics."""
+    step: StepConfig = attrs.field(factory=StepConfig)
+    """How a batch trains the model (forward, loss, task ids, metrics)."""
     run: RunConfig = attrs.field(factory=RunConfig)
     training: TrainingConfig = attrs.field(factory=TrainingConfig)
     distributed: DistributedConfig = attrs.field(factory=DistributedConfig)
@@ -290,8 +334,8 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     """Read, override and check a YAML config file.
 
-    Relative ``file.py:callable`` paths in ``model.factory`` and ``data.factory`` are resolved
-    against the file's folder. Plugin names and options are checked later, against the plugins
+    Relative ``file.py:callable`` paths (``model.factory``, ``data.factory``, ``step.factory``,
+    ``data.loader.collate``, ...) are resolved against the file's folder. Plugin names and options are checked later, against the plugins
     installed (:func:`ups.core.validate.validate`).
 
     :raises UsageError: a missing or unreadable file, or a :class:`ConfigError` naming the key.
@@ -323,12 +367,19 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: Path | None = None) -
 
 def _resolve_paths(config: Config, base: Path) -> Config:
     def resolved(section: F) -> F:
-        return attrs.evolve(section, factory=resolve_spec(section.factory, base))
+        return attrs.evolve(
+            section, factory=section.factory and resolve_spec(section.factory, base)
+        )
 
+    data = resolved(config.data)
+    if data.loader.collate is not None:
+        collate = resolve_spec(data.loader.collate, base)
+        data = attrs.evolve(data, loader=attrs.evolve(data.loader, collate=collate))
     return attrs.evolve(
         config,
         model=resolved(config.model),
-        data=resolved(config.data),
+        data=data,
         eval=config.eval and resolved(config.eval),
         metrics=config.metrics and resolved(config.metrics),
+        step=attrs.evolve(config.step, factory=resolve_spec(config.step.factory, base)),
     )

@@ -1,15 +1,14 @@
 """Exact evaluation: every sample counted once over all ranks, none padded, no hang on uneven
 shards (pytorch/pytorch#25162).
 
-Each rank evaluates its shard with the bare model (not through DDP, so no collective runs inside
+Each rank evaluates its shard with the training step on the bare model (not through DDP, so no collective runs inside
 the forward passes and shards of different lengths cannot deadlock, as ``Join`` would
 otherwise be needed for), then one all-reduce adds up the per-task loss sums and counts.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence, Sized
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 import torch
@@ -17,7 +16,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from .context import RunContext
-from .metrics import LossWindow, per_sample_losses
+from .metrics import LossWindow
+from .stepping import Forward
+from .user_metrics import UserMetrics
 
 
 class ShardSampler(Sampler[int]):
@@ -42,24 +43,22 @@ def shard_sampler(dataset: Sized, *, ctx: RunContext, seed: int, options: object
 def evaluate(
     model: nn.Module,
     loader: DataLoader[Any],
-    ctx: RunContext,
-    *,
-    loss: str,
+    forward: Forward,
     tasks: Sequence[str],
-    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    reduce: Mapping[str, str],
 ) -> dict[str, float]:
-    """The loss (and ``loss/<task>``) over the whole evaluation set, the same on every rank.
-    A collective: every rank calls it, whatever the length of its shard."""
+    """The loss (and ``loss/<task>``) and the step's metrics over the whole evaluation set,
+    the same on every rank: ``forward`` (the training step's) on the bare ``model`` in eval
+    mode, without gradients. A collective: every rank calls it, whatever its shard's length."""
+    ctx = forward.ctx
     window = LossWindow(tasks, ctx.device)
+    metrics = UserMetrics(reduce, window.tasks, ctx.device)
     training = model.training
     model.eval()
     with torch.no_grad():
         for batch in loader:
-            inputs, targets = batch[0].to(ctx.device), batch[1].to(ctx.device)
-            with autocast():
-                outputs = model(inputs)
-            window.add(
-                per_sample_losses(loss, outputs, targets), batch[2] if len(batch) > 2 else None
-            )
+            _, taken = forward(model, batch)
+            taken.count(window, metrics)
     model.train(training)
-    return window.report(ctx).result()
+    result = window.report(ctx).result()
+    return result | metrics.report(ctx).result()

@@ -8,38 +8,27 @@ so their tensors have one shape and the collective cannot mismatch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .context import RunContext
 from .errors import ConfigError
 
-LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "mse": lambda out, y: nn.functional.mse_loss(out, y, reduction="none"),
-    "l1": lambda out, y: nn.functional.l1_loss(out, y, reduction="none"),
-    "cross_entropy": lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
-}
-"""The loss functions ``training.loss`` names, unreduced."""
-
-
-def per_sample_losses(loss: str, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """One loss per sample (float32): the loss ``loss`` names, averaged over all but the first
-    dimension. A batch's loss is their mean."""
-    unreduced = LOSSES[loss](outputs, targets).float()
-    return unreduced.reshape(len(outputs), -1).mean(dim=1)
-
 
 class LossWindow:
-    """Per-task loss sums and counts since the last report, on this rank."""
+    """Per-task loss sums and counts since the last report, on this rank.
+
+    A column per task, and one more for losses given as a batch's mean (a step whose loss is
+    not per sample), which count in ``loss`` but in no ``loss/<task>``.
+    """
 
     def __init__(self, tasks: Sequence[str], device: torch.device) -> None:
         self.tasks = tuple(tasks) or ("all",)
-        self._sums = torch.zeros(2, len(self.tasks), dtype=torch.float64, device=device)
-        self._checked = False
+        self._sums = torch.zeros(2, len(self.tasks) + 1, dtype=torch.float64, device=device)
+        self._ids = TaskIds(len(self.tasks))
 
     def add(self, per_sample: torch.Tensor, task_ids: torch.Tensor | None) -> None:
         """Add a batch's per-sample losses (detached), each to its task; without declared
@@ -48,20 +37,18 @@ class LossWindow:
         :raises ConfigError: (on the first batch) when a task id has no name in ``data.tasks``.
         """
         losses = per_sample.detach().to(torch.float64)
-        if task_ids is None or len(self.tasks) == 1:
-            ids = torch.zeros_like(losses, dtype=torch.long)
-        else:
-            ids = task_ids.to(losses.device, torch.long)
-            if not self._checked:  # one host sync, on the first batch only
-                self._checked = True
-                if int(ids.max()) >= len(self.tasks) or int(ids.min()) < 0:
-                    raise ConfigError(
-                        "data.tasks",
-                        f"names {len(self.tasks)} tasks but a batch carries task id "
-                        f"{int(ids.max())}; name one task per id, in id order",
-                    )
+        ids = self._ids.index(task_ids, losses)
         self._sums[0].index_add_(0, ids, losses)
         self._sums[1].index_add_(0, ids, torch.ones_like(losses))
+
+    def add_mean(self, mean: torch.Tensor, samples: int) -> None:
+        """Add a batch's mean loss over ``samples`` samples (no task: not per sample)."""
+        self._sums[0, -1] += mean.detach().to(torch.float64) * samples
+        self._sums[1, -1] += samples
+
+    def finite(self) -> bool:
+        """Whether every loss added since the last report was finite (a host sync)."""
+        return bool(torch.isfinite(self._sums).all())
 
     def report(self, ctx: RunContext) -> PendingReport:
         """Start aggregating the window over all ranks (an all-reduce, not waited for) and
@@ -84,10 +71,51 @@ class PendingReport:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        total, count = self._sums.sum(dim=1).tolist()
-        metrics = {"loss": total / count if count else float("nan")}
-        if len(self._tasks) > 1:
-            for task, (s, n) in zip(self._tasks, self._sums.T.tolist(), strict=True):
-                metrics[f"loss/{task}"] = s / n if n else float("nan")
-        metrics["samples"] = count
+        metrics = per_task("loss", self._tasks, self._sums)
+        metrics["samples"] = self._sums[1].sum().item()
         return metrics
+
+
+def per_task(name: str, tasks: tuple[str, ...], sums: torch.Tensor) -> dict[str, float]:
+    """``name``'s mean over all samples and, with several tasks, ``name/<task>``'s, from
+    ``sums`` (``[2, columns]``: sums and counts, a column per task, then any further ones
+    that count in the overall mean only)."""
+    total, count = sums.sum(dim=1).tolist()
+    metrics = {name: total / count if count else float("nan")}
+    if len(tasks) > 1:
+        for task, (s, n) in zip(tasks, sums[:, : len(tasks)].T.tolist(), strict=True):
+            metrics[f"{name}/{task}"] = s / n if n else float("nan")
+    return metrics
+
+
+class TaskIds:
+    """Turns a batch's task ids into column indices, checking them once against the tasks."""
+
+    def __init__(self, tasks: int) -> None:
+        self.tasks = tasks
+        self._checked = False
+
+    def index(self, task_ids: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+        """The column of each of ``values`` (every sample in column 0 with one task or none).
+
+        :raises ConfigError: (on the first batch) when a task id has no name in ``data.tasks``,
+            or the ids are not one per sample.
+        """
+        if task_ids is None or self.tasks == 1:
+            return torch.zeros(len(values), dtype=torch.long, device=values.device)
+        ids = task_ids.to(values.device, torch.long).reshape(-1)
+        if not self._checked:  # one host sync, on the first batch only
+            self._checked = True
+            if len(ids) != len(values):
+                raise ConfigError(
+                    "step.task",
+                    f"gave {len(ids)} task ids for a batch of {len(values)} samples; "
+                    "expected one per sample",
+                )
+            if int(ids.max()) >= self.tasks or int(ids.min()) < 0:
+                raise ConfigError(
+                    "data.tasks",
+                    f"names {self.tasks} tasks but a batch carries task id "
+                    f"{int(ids.max())}; name one task per id, in id order",
+                )
+        return ids

@@ -96,6 +96,8 @@ def _convert(tp: Any, value: object, key: str) -> Any:
         raise ConfigError(key, f"{_show(value)} is not one of {_choices(allowed)}")
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
         nested = [o for o in options if attrs.has(o)]
         if value is not None and len(nested) == 1:
             return structure(nested[0], value, key)  # its own errors, key by key

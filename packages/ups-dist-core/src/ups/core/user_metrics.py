@@ -1,5 +1,6 @@
-"""User metrics: numbers a user function computes on each training batch, aggregated over the
-batches of a report and over all ranks as declared (``mean``, ``sum`` or ``max``).
+"""User metrics: what a step's ``metrics`` returns for each batch, aggregated over the batches
+of a report and over all ranks: a number as declared (``mean``, ``sum`` or ``max``), a value per
+sample as a mean over the samples, overall and per task.
 
 Ranks must report the same metric names. At each report the ranks first compare their sets of
 names with one all-reduce of two numbers; if they differ, every rank raises
@@ -11,7 +12,7 @@ in at most two all-reduces, not waited for (like the loss's).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -19,9 +20,7 @@ import torch.distributed as dist
 
 from .context import RunContext
 from .errors import ConfigError, UsageError
-
-MetricFn = Callable[[torch.Tensor, torch.Tensor], Mapping[str, Any]]
-"""``fn(outputs, targets)``: a batch's metrics, as numbers or 0-d tensors."""
+from .metrics import TaskIds, per_task
 
 
 class MetricNamesError(UsageError):
@@ -29,36 +28,55 @@ class MetricNamesError(UsageError):
 
 
 class UserMetrics:
-    """One rank's user metrics since the last report."""
+    """One rank's user metrics since the last report: a step's :meth:`~ups.core.Step.metrics`
+    of each micro-batch, a number per name or one per sample (averaged, and per task)."""
 
-    def __init__(self, fn: MetricFn, reduce: Mapping[str, str], device: torch.device) -> None:
-        self._fn, self._reduce, self._device = fn, dict(reduce), device
+    def __init__(
+        self,
+        reduce: Mapping[str, str],
+        tasks: tuple[str, ...],
+        device: torch.device,
+        key: str = "step.metrics",
+    ) -> None:
+        self._reduce, self._tasks, self._device, self._key = dict(reduce), tasks, device, key
+        self._ids = TaskIds(len(tasks))
         self._sums: dict[str, torch.Tensor] = {}
-        """``mean``: [sum of value x batch size, samples]; ``sum``: [sum, 0]; ``max``: [max, 0]."""
+        """A number: ``mean``: [sum of value x batch size, samples]; ``sum``: [sum, 0];
+        ``max``: [max, 0]. Per sample: [sums, counts] per task (``[2, tasks]``)."""
 
-    def compute(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The user function's metrics of a batch, as float64 0-d tensors (no host sync).
+    def check(self, values: Mapping[str, Any], batch_size: int) -> dict[str, torch.Tensor]:
+        """A batch's metrics as float64 tensors on the device (no host sync): 0-d for a number,
+        ``[batch_size]`` for one value per sample.
 
-        :raises ConfigError: naming a metric whose value is not a single number.
+        :raises ConfigError: naming a metric that is neither.
         """
-        with torch.no_grad():
-            values = self._fn(outputs.detach(), targets)
         metrics = {}
         for name, value in values.items():
             tensor = torch.as_tensor(value).detach().to(self._device, torch.float64)
-            if tensor.numel() != 1:
+            if tensor.dim() == 1 and len(tensor) == batch_size:
+                metrics[name] = tensor
+            elif tensor.numel() == 1:
+                metrics[name] = tensor.reshape(())
+            else:
                 raise ConfigError(
-                    "metrics.factory",
-                    f"metric {name!r} is not one number (a tensor of shape {tuple(tensor.shape)})",
+                    self._key,
+                    f"metric {name!r} is a tensor of shape {tuple(tensor.shape)}; expected one "
+                    f"number, or one per sample (shape ({batch_size},))",
                 )
-            metrics[name] = tensor.reshape(())
         return metrics
 
-    def add(self, values: Mapping[str, torch.Tensor], batch_size: int) -> None:
-        """Add one batch's metrics (from :meth:`compute`) of ``batch_size`` samples."""
+    def add(self, values: Mapping[str, torch.Tensor], batch_size: int, task_ids: Any) -> None:
+        """Add one batch's metrics (from :meth:`check`) of ``batch_size`` samples."""
         for name, value in values.items():
             how = self._reduce.get(name, "mean")
             entry = self._sums.get(name)
+            if value.dim() == 1:
+                if entry is None:
+                    entry = self._sums[name] = value.new_zeros(2, len(self._tasks))
+                ids = self._ids.index(task_ids, value)
+                entry[0].index_add_(0, ids, value)
+                entry[1].index_add_(0, ids, torch.ones_like(value))
+                continue
             if entry is None:
                 start = -torch.inf if how == "max" else 0.0
                 entry = torch.tensor([start, 0.0], dtype=torch.float64, device=self._device)
@@ -81,33 +99,50 @@ class UserMetrics:
         sums, self._sums = self._sums, {}
         if ctx.distributed:
             _check_same_names(ctx, names)
-        groups = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
         pending = []
-        for how, op in groups.items():
-            chosen = [n for n in names if (self._reduce.get(n, "mean") == "max") == (how == "max")]
+        for op in (dist.ReduceOp.MAX, dist.ReduceOp.SUM):
+            chosen = [n for n in names if self._op(n, sums[n]) == op]
             if not chosen:
                 continue
-            stacked = torch.stack([sums[n] for n in chosen])
-            work = dist.all_reduce(stacked, op=op, async_op=True) if ctx.distributed else None
-            pending.append((chosen, stacked, work))
-        return PendingMetrics(self._reduce, pending)
+            flat = torch.cat([sums[n].reshape(-1) for n in chosen])
+            work = dist.all_reduce(flat, op=op, async_op=True) if ctx.distributed else None
+            shapes = [sums[n].shape for n in chosen]
+            pending.append((chosen, shapes, flat, work))
+        return PendingMetrics(self._reduce, self._tasks, pending)
+
+    def _op(self, name: str, entry: torch.Tensor) -> Any:
+        per_sample = entry.dim() == 2
+        return (
+            dist.ReduceOp.MAX
+            if self._reduce.get(name) == "max" and not per_sample
+            else dist.ReduceOp.SUM
+        )
 
 
 class PendingMetrics:
     """A window's user metrics on their way over the ranks."""
 
     def __init__(
-        self, reduce: Mapping[str, str], pending: list[tuple[list[str], torch.Tensor, Any]]
+        self,
+        reduce: Mapping[str, str],
+        tasks: tuple[str, ...],
+        pending: list[tuple[list[str], list[torch.Size], torch.Tensor, Any]],
     ) -> None:
-        self._reduce, self._pending = reduce, pending
+        self._reduce, self._tasks, self._pending = reduce, tasks, pending
 
     def result(self) -> dict[str, float]:
-        """Each metric, reduced over the window's batches on all ranks."""
-        metrics = {}
-        for names, stacked, work in self._pending:
+        """Each metric, reduced over the window's batches on all ranks; a per-sample metric
+        also per task (``name/<task>``) with several tasks."""
+        metrics: dict[str, float] = {}
+        for names, shapes, flat, work in self._pending:
             if work is not None:
                 work.wait()
-            for name, (value, samples) in zip(names, stacked.tolist(), strict=True):
+            parts = torch.split(flat, [shape.numel() for shape in shapes])
+            for name, shape, part in zip(names, shapes, parts, strict=True):
+                if len(shape) == 2:
+                    metrics |= per_task(name, self._tasks, part.reshape(shape))
+                    continue
+                value, samples = part.tolist()
                 mean = self._reduce.get(name, "mean") == "mean"
                 metrics[name] = (value / samples if samples else float("nan")) if mean else value
         return metrics

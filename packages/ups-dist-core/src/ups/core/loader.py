@@ -1,0 +1,223 @@
+"""The data pipeline: a ``DataLoader`` with workers, pinned memory and a collate of the user's,
+whose sampler state and randomness stay exact however far its workers read ahead.
+
+Two things make that so:
+
+- **The sampler's state counts what the steps consumed.** Workers prefetch: the loader draws
+  indices ``num_workers x prefetch_factor`` batches ahead of the step, so a sampler asked for
+  its state counts batches no step has trained on. :class:`StepBatches`, the loader's batch
+  sampler, keeps the sampler's state as it was after each batch it drew; the engine takes them
+  in order as it consumes batches (:meth:`Epoch.__next__`), so a checkpoint holds the state of
+  the last batch a step took. Any sampler with ``state_dict`` gets this, not only ups's.
+- **Data-side randomness is seeded per batch,** from ``(run.seed, rank, epoch, batch)``, in the
+  worker that reads it (or, without workers, around the read, the training RNG untouched):
+  a random transform in ``__getitem__`` draws the same numbers whatever ``num_workers``,
+  whether the workers persist, and after a resume mid-epoch.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import itertools
+import math
+import random
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
+
+from .config import FactoryConfig, LoaderConfig
+from .errors import ConfigError
+from .imports import load_object
+
+
+def build_dataset(section: FactoryConfig, key: str) -> Any:
+    """Call the ``section`` (``data`` or ``eval``) factory with its options; check that it
+    returns a map-style dataset.
+
+    :raises ConfigError: naming ``<key>.factory`` for an iterable dataset or a non-dataset.
+    """
+    dataset = load_object(section.factory, f"{key}.factory")(**section.options)
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(
+            f"{key}.factory",
+            f"returned an iterable dataset ({type(dataset).__name__}); ups needs a map-style "
+            "dataset (__len__ and __getitem__), which samplers can deal to ranks and resume",
+        )
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise ConfigError(
+            f"{key}.factory", f"returned {type(dataset).__name__}, not a map-style dataset"
+        )
+    return dataset
+
+
+def check_loader(options: LoaderConfig) -> None:
+    """Refuse loader options that cannot work together.
+
+    :raises ConfigError: naming the ``data.loader`` key.
+    """
+    if options.num_workers == 0:
+        for key in ("prefetch_factor", "persistent_workers", "multiprocessing_context"):
+            if getattr(options, key) not in (None, False):
+                raise ConfigError(
+                    f"data.loader.{key}", "needs worker processes; set data.loader.num_workers > 0"
+                )
+    if options.collate is not None:
+        load_object(options.collate, "data.loader.collate")
+
+
+def seed_of(*parts: int) -> int:
+    """A seed in ``[0, 2**63)`` mixed from ``parts`` (nearby parts give unrelated seeds)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class SeededBatch(list[int]):
+    """A batch's indices, with the seed its data-side randomness draws from."""
+
+    seed: int = 0
+
+
+class StepBatches(Sampler[list[int]]):
+    """The loader's batch sampler: ``batch_size`` indices at a time from ``sampler`` (the last
+    batch may be short), each a :class:`SeededBatch`; it keeps the sampler's state after each
+    batch it draws, for :meth:`consumed` to hand out in order.
+
+    Set :attr:`epoch` and :attr:`first` (batches of the epoch taken before, after a resume)
+    and :attr:`skip` (batches to pass over unread, for a sampler without a state) before
+    iterating.
+    """
+
+    def __init__(self, sampler: Any, batch_size: int, seed: int, rank: int) -> None:
+        self.sampler, self.batch_size = sampler, batch_size
+        self.seed, self.rank = seed, rank
+        self.epoch = self.first = self.skip = 0
+        self.stateful = callable(getattr(sampler, "state_dict", None))
+        self._states: collections.deque[dict[str, Any]] = collections.deque()
+
+    def __len__(self) -> int:
+        return max(0, math.ceil(len(self.sampler) / self.batch_size) - self.skip)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._states.clear()
+        indices = iter(self.sampler)
+        for number in itertools.count(self.first):
+            batch = SeededBatch(itertools.islice(indices, self.batch_size))
+            if not batch:
+                return
+            if number < self.first + self.skip:
+                continue
+            batch.seed = seed_of(self.seed, self.rank, self.epoch, number)
+            if self.stateful:
+                self._states.append(self.sampler.state_dict())
+            yield batch
+
+    def consumed(self) -> dict[str, Any]:
+        """The sampler's state after the oldest batch drawn and not yet consumed; call it once
+        for each batch a step takes. ``{}`` for a sampler without a state."""
+        return self._states.popleft() if self.stateful else {}
+
+
+class SeededData(Dataset[Any]):
+    """``dataset``, read a batch at a time with the batch's seed set (see the module's text)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self._many: Callable[[list[int]], list[Any]] | None = getattr(dataset, "__getitems__", None)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        seed = getattr(indices, "seed", None)
+        context = contextlib.nullcontext() if seed is None else _seeded(seed)
+        with context:
+            if self._many is not None:
+                return self._many(list(indices))
+            return [self.dataset[i] for i in indices]
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Seed torch's, Python's and (if imported) NumPy's generators; in the main process, put
+    them back afterwards, so reading data leaves the training's randomness as it was."""
+    numpy = sys.modules.get("numpy")
+    worker = get_worker_info() is not None
+    saved = None
+    if not worker:
+        saved = (torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state())
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            torch.set_rng_state(saved[0])
+            random.setstate(saved[1])
+            if numpy is not None:
+                numpy.random.set_state(saved[2])
+
+
+class Epoch:
+    """One pass over a loader whose batch sampler is :class:`StepBatches`: yields batches and
+    knows the sampler's state as of the last one yielded, and how many it yielded."""
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        assert isinstance(loader.batch_sampler, StepBatches)
+        self._batches = loader.batch_sampler
+        self._iterator = iter(loader)
+        self.taken = self._batches.first + self._batches.skip
+        """Batches of the epoch taken, counting those before a resume."""
+        self.sampler_state: dict[str, Any] = {}
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._iterator)
+        self.sampler_state = self._batches.consumed()
+        self.taken += 1
+        return batch
+
+
+def data_loader(
+    dataset: Any,
+    sampler: Any,
+    batch_size: int,
+    options: LoaderConfig,
+    *,
+    device: torch.device,
+    seed: int,
+    rank: int,
+) -> DataLoader[Any]:
+    """A loader of ``dataset`` in ``batch_size`` batches from ``sampler``, as ``options``
+    (``data.loader``) say: workers, pinned memory (by default when ``device`` is CUDA), the
+    user's collate. Its batch sampler is a :class:`StepBatches`; iterate it with :class:`Epoch`."""
+    workers = options.num_workers
+    pin = options.pin_memory if options.pin_memory is not None else device.type == "cuda"
+    extra: dict[str, Any] = {}
+    if workers:
+        extra = {
+            "persistent_workers": options.persistent_workers,
+            "prefetch_factor": options.prefetch_factor,
+            "multiprocessing_context": options.multiprocessing_context,
+        }
+    collate = options.collate and load_object(options.collate, "data.loader.collate")
+    return DataLoader(
+        SeededData(dataset),
+        batch_sampler=StepBatches(sampler, batch_size, seed, rank),
+        num_workers=workers,
+        collate_fn=collate or None,
+        pin_memory=pin and torch.cuda.is_available(),
+        generator=torch.Generator().manual_seed(seed_of(seed, rank)),
+        **extra,
+    )

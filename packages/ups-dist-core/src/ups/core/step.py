@@ -1,0 +1,162 @@
+"""The training step: how a batch becomes outputs, a loss, task ids and metrics.
+
+A :class:`Step` is the one thing the engine asks of a user's model and data, after Composer's
+``ComposerModel.forward(batch)`` + ``loss(outputs, batch)`` and Lightning's ``training_step``,
+but kept apart from the model: the model stays a plain ``nn.Module`` that DDP wraps, and the
+step says how to call it. The engine does the rest (devices, DDP, accumulation, AMP, clipping,
+metrics over ranks, evaluation under ``no_grad`` with the same step).
+
+The built-in step is the default: ``(inputs, targets[, task_ids])`` tuples and a loss by name
+(``training.loss``). Its class attributes say where things are, so a dict batch needs no code::
+
+    step:
+      options: {inputs: [u0, params], target: u_t, task: task}
+
+A model with its own loss subclasses :class:`Step` and overrides :meth:`Step.forward` and
+:meth:`Step.loss` (``step: {factory: model.py:MyStep}``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import batches
+from .errors import UsageError
+
+Where = int | str | Callable[[Any], Any]
+"""Where something is in a batch: an index, a key or attribute name, or a function of it."""
+
+Criterion = Callable[[Any, Any], torch.Tensor]
+"""``criterion(outputs, targets)``: an unreduced loss (one value per sample, or per element)."""
+
+CRITERIA: dict[str, Criterion] = {
+    "mse": lambda out, y: nn.functional.mse_loss(out, y, reduction="none"),
+    "l1": lambda out, y: nn.functional.l1_loss(out, y, reduction="none"),
+    "cross_entropy": lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
+}
+"""The losses ``training.loss`` names, unreduced."""
+
+
+_UNSET: Any = object()
+"""``task``'s default in the constructor (``None`` there means: no tasks)."""
+
+
+class StepError(UsageError):
+    """A step returned what the engine cannot use, or looked for what the batch lacks."""
+
+
+class Step:
+    """How one batch trains the model; subclass it and override what your model needs.
+
+    Every method gets the batch as the loader's ``collate`` made it, on the model's device.
+    The defaults serve ``(inputs, targets[, task_ids])`` tuples and dicts alike, through the
+    attributes below (set them on a subclass, or pass them to the constructor, or as
+    ``step.options`` in the config).
+    """
+
+    inputs: Where | Sequence[int | str] | Mapping[str, int | str] = 0
+    """Where the model's inputs are: one place (``model(x)``), a list of places (positional
+    arguments), or a mapping of keyword to place (``model(z0=batch["u0"], ...)``)."""
+    target: Where = 1
+    """Where the target is, for :meth:`loss` and for the ``metrics`` section's function."""
+    task: Where | None = 2
+    """Where each sample's task id is (for ``loss/<task>`` and per-task metrics); ``None``:
+    no tasks. The default, index 2, is optional: a 2-tuple batch has no task ids."""
+    criterion: str | Criterion = "mse"
+    """The loss of :meth:`loss`: ``mse``, ``l1``, ``cross_entropy`` or a function
+    ``(outputs, targets) -> unreduced loss``."""
+    metric_fn: Callable[[Any, Any], Mapping[str, Any]] | None = None
+    """``fn(outputs, targets)`` for :meth:`metrics` (the config's ``metrics.factory``)."""
+
+    def __init__(
+        self,
+        *,
+        inputs: Where | Sequence[int | str] | Mapping[str, int | str] | None = None,
+        target: Where | None = None,
+        task: Any = _UNSET,
+        criterion: str | Criterion | None = None,
+        metric_fn: Callable[[Any, Any], Mapping[str, Any]] | None = None,
+    ) -> None:
+        if inputs is not None:
+            self.inputs = inputs
+        if target is not None:
+            self.target = target
+        if task is not _UNSET:
+            self.task = task
+        if criterion is not None:
+            if isinstance(criterion, str) and criterion not in CRITERIA:
+                raise StepError(
+                    f"step.criterion: {criterion!r} is not a loss; allowed: "
+                    f"{', '.join(CRITERIA)}, or a function (outputs, targets) -> loss"
+                )
+            self.criterion = criterion
+        if metric_fn is not None:
+            self.metric_fn = metric_fn
+
+    def forward(self, model: nn.Module, batch: Any) -> Any:
+        """The model's outputs for ``batch``; by default ``model`` called with :attr:`inputs`."""
+        where = self.inputs
+        if isinstance(where, Mapping):
+            return model(**{name: pick(batch, w, "step.inputs") for name, w in where.items()})
+        if isinstance(where, list | tuple):
+            return model(*(pick(batch, w, "step.inputs") for w in where))
+        return model(pick(batch, where, "step.inputs"))  # type: ignore[arg-type]
+
+    def loss(self, outputs: Any, batch: Any) -> torch.Tensor | tuple[torch.Tensor, int]:
+        """The loss: one value per sample (shape ``[batch size]``: accumulation, per-task
+        losses and equivalence over ranks hold exactly), or a 0-d mean over the batch, or
+        ``(mean, samples)`` when it averages over another number of samples (tokens, say).
+        By default :attr:`criterion` against :attr:`target`, averaged per sample."""
+        criterion = self.criterion
+        fn = CRITERIA[criterion] if isinstance(criterion, str) else criterion
+        unreduced = fn(outputs, pick(batch, self.target, "step.target")).float()
+        return unreduced.reshape(len(unreduced), -1).mean(dim=1)
+
+    def task_ids(self, batch: Any) -> torch.Tensor | None:
+        """Each sample's task id (integers in ``data.tasks`` order), or ``None``."""
+        where = self.task
+        if where is None:
+            return None
+        if isinstance(where, int) and isinstance(batch, list | tuple) and where >= len(batch):
+            return None
+        return torch.as_tensor(pick(batch, where, "step.task"))
+
+    def metrics(self, outputs: Any, batch: Any) -> Mapping[str, Any]:
+        """Metrics of the batch (called without gradients, in training and evaluation): a
+        number or 0-d tensor per name (aggregated as ``metrics.reduce`` says), or a tensor of
+        one value per sample (averaged over samples, overall and per task: ``name/<task>``).
+        By default the config's ``metrics.factory`` function, if any."""
+        if self.metric_fn is None:
+            return {}
+        return self.metric_fn(outputs, pick(batch, self.target, "step.target"))
+
+    def batch_size(self, batch: Any) -> int:
+        """Samples in ``batch``: by default the first dimension of its first tensor."""
+        return batches.batch_size(batch)
+
+
+def pick(batch: Any, where: Where, key: str) -> Any:
+    """What ``where`` names in ``batch``: an index, a key, an attribute, or a function's result.
+
+    :raises StepError: naming ``key`` and what the batch has instead.
+    """
+    if callable(where):
+        return where(batch)
+    if isinstance(where, int):
+        if isinstance(batch, Sequence) and not isinstance(batch, str):
+            if -len(batch) <= where < len(batch):
+                return batch[where]
+            raise StepError(f"{key}: index {where} is past the batch's {len(batch)} elements")
+        raise StepError(f"{key}: index {where} of a {type(batch).__name__} batch; name a key")
+    if isinstance(batch, Mapping):
+        if where in batch:
+            return batch[where]
+        keys = ", ".join(map(str, batch))
+        raise StepError(f"{key}: the batch has no key {where!r}; its keys: {keys}")
+    if hasattr(batch, where):
+        return getattr(batch, where)
+    raise StepError(f"{key}: a {type(batch).__name__} batch has no attribute or key {where!r}")

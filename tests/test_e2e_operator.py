@@ -1,0 +1,234 @@
+"""The neural-operator example (examples/pde_operator): its data, dataset and model, then one
+short run of ``ups train --nproc 2`` on it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+h5py = pytest.importorskip(
+    "h5py", reason="the neural-operator example reads HDF5 (pip install h5py)"
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "pde_operator"
+TASKS = ("diffusion", "advection", "burgers")
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    """Import ``path`` as ``name``, as ``ups`` imports a config's ``file.py:callable``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so pickle finds H5Task's class
+    spec.loader.exec_module(module)
+    return module
+
+
+generate = _load("pde_operator_example_generate", EXAMPLE / "generate.py")
+op = _load("pde_operator_example", EXAMPLE / "fno.py")
+
+
+def test_files_have_pdebench_datasets_and_shapes(tmp_path: Path) -> None:
+    paths = generate.ensure_data(tmp_path, 8, 0)
+    assert [p.name for p in paths] == [f"2D_{t}_N8_seed0.h5" for t in TASKS]
+    for task, path in zip(TASKS, paths, strict=True):
+        with h5py.File(path, "r") as f:
+            assert f["tensor"].shape == (8, len(generate.TIMES), 32, 32)
+            assert f["tensor"].dtype == "float32"
+            assert f["x-coordinate"].shape == f["y-coordinate"].shape == (32,)
+            assert f["t-coordinate"].shape == (len(generate.TIMES),)
+            assert f["params"].shape == (8, 4) and f["params"].dtype == "float32"
+            assert list(f["params"].attrs["names"]) == ["nu", "cx", "cy", "beta"]
+            assert f.attrs["task"] == task
+            tensor = torch.from_numpy(f["tensor"][:])
+            assert torch.isfinite(tensor).all() and tensor[:, 0].abs().amax() > 0.1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)
+
+
+def test_generation_is_deterministic_for_a_seed() -> None:
+    for task in TASKS:
+        first, second = generate.generate(task, 4, 3), generate.generate(task, 4, 3)
+        assert all((a == b).all() for a, b in zip(first, second, strict=True))
+        assert not (generate.generate(task, 4, 4)[0] == first[0]).all()
+
+
+def test_diffusion_and_advection_are_exact() -> None:
+    tensor, params = generate.generate("diffusion", 4, 0)
+    assert (tensor[:, -1] ** 2).sum() < (tensor[:, 0] ** 2).sum()  # heat decays
+    tensor, params = generate.generate("advection", 4, 0)
+    energy = (tensor**2).sum(axis=(2, 3))  # a shift keeps every moment
+    assert abs(energy - energy[:, :1]).max() < 1e-3 * energy.max()
+    assert (params[:, 0] == 0).all() and (params[:, 3] == 0).all()
+
+
+def test_ensure_data_is_idempotent(tmp_path: Path) -> None:
+    paths = generate.ensure_data(tmp_path, 4, 0)
+    stamps = [p.stat().st_mtime_ns for p in paths]
+    assert generate.ensure_data(tmp_path, 4, 0) == paths
+    assert [p.stat().st_mtime_ns for p in paths] == stamps
+    assert len(generate.ensure_data(tmp_path, 4, 1)) == 3  # another seed: files of its own
+    assert len(list(tmp_path.iterdir())) == 6
+
+
+def test_concurrent_writers_leave_whole_files(tmp_path: Path) -> None:
+    """Three processes generate into one folder at once (as ranks do), through the CLI."""
+    command = [sys.executable, str(EXAMPLE / "generate.py"), str(tmp_path), "--samples", "64"]
+    writers = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [w.communicate(timeout=120)[0] for w in writers]
+    assert [w.returncode for w in writers] == [0, 0, 0]
+    assert len(set(outputs)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"2D_{t}_N64_seed0.h5" for t in TASKS
+    )  # no temporary file left
+    for task, path in zip(TASKS, generate.ensure_data(tmp_path, 64, 0), strict=True):
+        with h5py.File(path, "r") as f:
+            assert (f["tensor"][:] == generate.generate(task, 64, 0)[0]).all()
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Any:
+    return op.build_dataset(root=tmp_path, samples_per_task=8, seed=0)
+
+
+def test_items_are_dicts_of_the_first_and_last_frames(dataset: Any) -> None:
+    assert len(dataset) == 24 and [len(d) for d in dataset.datasets] == [8, 8, 8]
+    item = dataset[9]  # advection's second sample
+    assert item.keys() == {"u0", "params", "u_t", "task"}
+    assert item["u0"].shape == item["u_t"].shape == (1, 32, 32)
+    assert item["params"].shape == (4,)
+    assert item["task"].shape == () and item["task"].dtype == torch.int64 and item["task"] == 1
+    assert all(item[k].dtype == torch.float32 for k in ("u0", "params", "u_t"))
+    with h5py.File(dataset.datasets[1].path, "r") as f:
+        assert (item["u0"][0].numpy() == f["tensor"][1, 0]).all()
+        assert (item["u_t"][0].numpy() == f["tensor"][1, -1]).all()
+        assert (item["params"].numpy() == f["params"][1]).all()
+    with pytest.raises(IndexError):
+        dataset.datasets[0][8]
+
+
+def test_a_task_pickles_without_its_handle(dataset: Any) -> None:
+    task = dataset.datasets[2]
+    item = task[3]  # opens the file in this process
+    assert task._file is not None
+    state = pickle.dumps(task)
+    copy = pickle.loads(state)
+    assert copy._file is None and task._file is not None
+    again = copy[3]
+    assert all(torch.equal(item[k], again[k]) for k in item)
+    assert copy._file is not None and copy._file is not task._file  # a handle of its own
+
+
+class _Probe(Dataset[dict[str, torch.Tensor]]):
+    """The example's dataset, each item telling which process read it, through whose handle."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = self.dataset[index]
+        task = item["task"].item()
+        part = self.dataset.datasets[task]
+        return item | {"pid": torch.tensor(os.getpid()), "handle_pid": torch.tensor(part._pid)}
+
+
+# Python 3.12+ warns when it forks a process with threads (torch's); the workers only read.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_every_loader_worker_reads_through_its_own_handle(dataset: Any) -> None:
+    expected = default_collate([dataset[i] for i in range(len(dataset))])  # opens them here
+    loader = DataLoader(_Probe(dataset), batch_size=4, num_workers=2)
+    batches = list(loader)
+    pids = torch.cat([b["pid"] for b in batches])
+    assert (pids == torch.cat([b["handle_pid"] for b in batches])).all()
+    assert len(set(pids.tolist())) == 2 and os.getpid() not in pids.tolist()
+    for key in ("u0", "params", "u_t", "task"):
+        assert torch.equal(torch.cat([b[key] for b in batches]), expected[key])
+    assert torch.equal(dataset[23]["u_t"], expected["u_t"][23])  # this process's handles still read
+
+
+def test_the_fno_maps_a_field_and_parameters_to_a_field() -> None:
+    model = op.build_model(width=8, modes=4, layers=2)
+    u0, params = torch.randn(3, 1, 32, 32), torch.randn(3, 4)
+    out = model(u0, params)
+    assert out.shape == (3, 1, 32, 32)
+    out.square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert model(torch.randn(2, 1, 16, 16), torch.randn(2, 4)).shape == (2, 1, 16, 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        model(torch.randn(2, 1, 6, 6), torch.randn(2, 4))
+
+
+def test_relative_l2_is_per_sample() -> None:
+    target = torch.randn(5, 1, 8, 8)
+    assert op.relative_l2(target, target).shape == (5,)
+    assert (op.relative_l2(target, target) == 0).all()
+    assert torch.allclose(op.relative_l2(torch.zeros_like(target), target), torch.ones(5))
+    pred = target.clone()
+    pred[2] *= 1.5  # only the third sample is off, by half its norm
+    assert torch.allclose(op.relative_l2(pred, target), torch.tensor([0, 0, 0.5, 0, 0]))
+    assert torch.allclose(op.nrmse(pred, target), op.relative_l2(pred, target))
+
+
+def test_the_step_calls_the_model_with_two_inputs(dataset: Any) -> None:
+    batch = default_collate([dataset[i] for i in (0, 9, 17)])
+    step = op.OperatorStep()
+    outputs = step.forward(op.build_model(width=8, modes=4, layers=2), batch)
+    assert outputs.shape == (3, 1, 32, 32)
+    assert step.loss(outputs, batch).shape == (3,)
+    assert step.task_ids(batch).tolist() == [0, 1, 2]
+    metrics = step.metrics(outputs, batch)
+    assert {name: m.shape for name, m in metrics.items()} == {"nrmse": (3,), "rmse": (3,)}
+
+
+@pytest.mark.slow
+def test_the_example_trains_on_two_ranks_with_per_task_metrics(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ups.core",
+            "train",
+            str(EXAMPLE / "pde_operator.yaml"),
+            "--nproc",
+            "2",
+            "-o",
+            f"run.output_dir={tmp_path}",
+            "-o",
+            "training.max_steps=30",
+            "-o",
+            f"data.options.root={tmp_path / 'data'}",
+            "-o",
+            f"eval.options.root={tmp_path / 'data'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=os.environ | {"UPS_LOG_FORMAT": "json"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == [10, 20, 30]
+    for task in TASKS:
+        assert all(e[f"loss/{task}"] > 0 and e[f"nrmse/{task}"] > 0 for e in steps)
+    assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]
+    (last,) = [e for e in events if e["event"] == "eval"]  # at the end only (every 40 steps)
+    assert last["val_samples"] == 192 and all(f"val_nrmse/{t}" in last for t in TASKS)
+    done = [e for e in events if e["event"] == "done"]
+    assert len(done) == 1 and done[0]["steps"] == 30
+    assert len(list((tmp_path / "data").glob("2D_*.h5"))) == 6
