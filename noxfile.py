@@ -115,8 +115,10 @@ for _short in PACKAGES:
 def integration(session: nox.Session) -> None:
     """Every distribution together: end-to-end runs of the CLI, the example, third-party
     plugins (the docs' tests, which need the plugins of plugins/ too, run in ``test-plugins``);
-    then mypy --strict over every distribution's sources, in the same environment."""
+    then mypy --strict over every distribution's sources, in the same environment. h5py is
+    what the neural-operator example (examples/pde_operator) reads its data with."""
     install(session, *PACKAGES)
+    session.install("-c", str(CONSTRAINTS), "h5py")
     pytest(session, "integration", "tests", *(f"--ignore={t}" for t in DOCS_TESTS))
     session.install(TOOLS["mypy"], "types-PyYAML", "types-tqdm")
     session.run("mypy", *(f"packages/{d}/src" for d in PACKAGES.values()))
@@ -208,3 +210,15 @@ def bench_comm(session: nox.Session) -> None:
     ``nox -s bench_comm -- --rates 1gbit --rounds 1 --steps 2``."""
     install(session, "core", "comm_hooks")
     session.run("python", "benchmarks/bench_comm.py", *session.posargs)
+
+
+@nox.session(name="bench_pipeline", default=False)
+def bench_pipeline(session: nox.Session) -> None:
+    """Benchmark the engine's training-step contract and data pipeline: a custom
+    ``ups.core.Step`` on dict batches against the built-in step (the bundled example, 2 local
+    CPU ranks), and a loader-bound HDF5 dataset read by 2 worker processes against none (1
+    rank); see benchmarks/README.md. Not a default session: ``nox -s bench_pipeline``; small
+    runs: ``nox -s bench_pipeline -- --repeats 1 --steps 200 --loader-repeats 1``."""
+    install(session, "core")
+    session.install("-c", str(CONSTRAINTS), "h5py")
+    session.run("python", "benchmarks/bench_pipeline.py", *session.posargs)

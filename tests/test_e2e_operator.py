@@ -1,5 +1,6 @@
-"""The neural-operator example (examples/pde_operator): its data, dataset and model, then one
-short run of ``ups train --nproc 2`` on it."""
+"""The neural-operator example (examples/pde_operator): its data, dataset and model, then
+short runs of ``ups train --nproc 2`` on it: one that trains, and one killed mid-epoch with
+loader workers on that resumes bitwise."""
 
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import h5py
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-h5py = pytest.importorskip(
-    "h5py", reason="the neural-operator example reads HDF5 (pip install h5py)"
-)
+from ups.core.testing import assert_bitwise_equal
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pde_operator"
@@ -232,3 +232,59 @@ def test_the_example_trains_on_two_ranks_with_per_task_metrics(tmp_path: Path) -
     done = [e for e in events if e["event"] == "done"]
     assert len(done) == 1 and done[0]["steps"] == 30
     assert len(list((tmp_path / "data").glob("2D_*.h5"))) == 6
+
+
+def operator_run(folder: Path, data: Path, *args: str, faults: str = "") -> Any:
+    """``ups train`` of the example for 40 steps (an epoch is 24) on 2 ranks with 2 loader
+    workers each, saving every 15 steps (mid-epoch), into ``folder``."""
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "ups.core", "train", str(EXAMPLE / "pde_operator.yaml")),
+            *("--nproc", "2", *args),
+            *("-o", f"run.output_dir={folder}", "-o", "training.max_steps=40"),
+            *("-o", "checkpoint.every_steps=15", "-o", "eval.every_steps=1000"),
+            *("-o", f"data.options.root={data}", "-o", f"eval.options.root={data}"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=folder,
+        env=os.environ | {"UPS_LOG_FORMAT": "json", "UPS_FAULTS": faults},
+    )
+
+
+@pytest.mark.slow
+def test_killed_mid_epoch_with_workers_it_resumes_bitwise_and_reports_per_task(
+    tmp_path: Path,
+) -> None:
+    data, plain, killed = tmp_path / "data", tmp_path / "plain", tmp_path / "killed"
+    plain.mkdir(), killed.mkdir()
+    reference = operator_run(plain, data)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    # rank 1 killed (SIGKILL) in step 33: the job restarts and resumes from step 30, the
+    # 6th step of epoch 2, with the multitask sampler's state and 2 workers per rank
+    done = operator_run(killed, data, "--max-restarts", "1", faults="kill@1:33")
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert [e["step"] for e in events if e["event"] == "fault injected"] == [33]
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [30]
+
+    def final(folder: Path) -> Any:
+        path = folder / "pde-operator" / "checkpoints" / "step-000000040.pt"
+        return torch.load(path, weights_only=True)["state"]
+
+    found, expected = final(killed), final(plain)
+    for key in ("model", "optimizer", "scheduler", "sampler", "step", "epoch", "rng"):
+        assert_bitwise_equal(found[key], expected[key], key)
+    assert expected["epoch_left"] > 0  # it ended mid-epoch 2 too
+
+    report = subprocess.run(
+        [sys.executable, "-m", "ups.core", "report", str(killed / "pde-operator")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    for task in TASKS:
+        assert f"train loss/{task}" in report.stdout and f"train nrmse/{task}" in report.stdout
+    assert (killed / "pde-operator" / "report.png").stat().st_size > 0

@@ -276,3 +276,25 @@ def test_reports_a_real_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     expected = ["Training loss", "Evaluation loss"] + ["Throughput"] * throughput
     assert titles(figure) == expected
     assert ("throughput" in table) == throughput
+
+
+def test_metrics_reported_per_task_get_rows_and_panels_of_their_own(tmp_path: Path) -> None:
+    # a step's per-sample metric (nrmse) is reported overall and per task, like the loss
+    records = [
+        {"kind": "train", "step": s, "loss": 1 / s, "loss/a": 1 / s, "loss/b": 2 / s,
+         "nrmse": 0.5 / s, "nrmse/a": 0.4 / s, "nrmse/b": 0.6 / s, "max_err": 3.0, "samples": 8}
+        for s in (2, 4)
+    ] + [{"kind": "eval", "step": 4, "loss": 0.3, "nrmse": 0.2, "nrmse/a": 0.1, "nrmse/b": 0.3}]  # fmt: skip
+    lines = summary(records, "tasks").splitlines()
+    assert "train nrmse/b  0.15 (step 4)" in lines
+    assert "eval nrmse/a   final 0.1 (step 4)" in lines
+    assert not any("max_err" in line for line in lines)  # one number: not a per-task family
+    figure = plot(records, tmp_path / "t.png", "tasks")
+    assert titles(figure) == [
+        "Training loss",
+        "Training nrmse",
+        "Evaluation loss",
+        "Evaluation nrmse",
+    ]
+    assert figure.axes[1].get_legend_handles_labels()[1] == ["nrmse", "nrmse/a", "nrmse/b"]
+    check_png(tmp_path / "t.png")

@@ -88,7 +88,10 @@ def test_ranks_with_different_metric_names_fail_together_without_a_deadlock(
 def test_a_metric_that_is_not_one_number_is_named(tmp_path: Path) -> None:
     # one process: the rank that failed raises its own error
     config = load_config(project(tmp_path), ["metrics.factory=user_metrics.py:build_bad"])
-    with pytest.raises(ConfigError, match=r"metric .vector. is a tensor of shape \(8, 1\); expected one number, or one per sample"):
+    with pytest.raises(
+        ConfigError,
+        match=r"metric .vector. is a tensor of shape \(8, 1\); expected one number, or one per sample",
+    ):
         train(config)
 
 

@@ -45,7 +45,7 @@ from .resume import Position, Resumed, TrainingState
 from .rng import seed_all, set_rng_state
 from .rundir import RunFiles
 from .schedule import Schedule, apply_lr_multiplier
-from .step import Step
+from .step import build_step
 from .stepping import Forward, Stepper
 from .user_metrics import UserMetrics
 from .validate import select_sampler
@@ -83,38 +83,6 @@ def build_model(config: Config) -> nn.Module:
             "model.factory", f"returned {type(model).__name__}, not a torch.nn.Module"
         )
     return model
-
-
-def build_step(config: Config) -> Step:
-    """Call ``step.factory(**step.options)``; the built-in step also takes ``training.loss``
-    and the ``metrics.factory`` function.
-
-    :raises ConfigError: naming ``step.factory``, ``step.options`` or ``metrics.factory``.
-    """
-    factory = load_object(config.step.factory, "step.factory")
-    options = dict(config.step.options)
-    metrics = config.metrics.factory if config.metrics is not None else None
-    if factory is Step:
-        options.setdefault("criterion", config.training.loss)
-        if metrics is not None:
-            options["metric_fn"] = load_object(metrics, "metrics.factory")(
-                **config.metrics.options  # type: ignore[union-attr]
-            )
-    elif metrics is not None:
-        raise ConfigError(
-            "metrics.factory",
-            f"is for the built-in step; {config.step.factory} computes its metrics in its own "
-            "metrics(outputs, batch) (metrics.reduce still applies)",
-        )
-    try:
-        step = factory(**options)
-    except TypeError as error:
-        raise ConfigError("step.options", f"{config.step.factory}: {error}") from None
-    if not isinstance(step, Step):
-        raise ConfigError(
-            "step.factory", f"returned {type(step).__name__}, not a ups.core.Step (subclass it)"
-        )
-    return step
 
 
 def wrap(model: nn.Module, ctx: RunContext, config: Config) -> nn.Module:

@@ -98,19 +98,27 @@ def run_name(run_dir: Path) -> str:
 
 def summary(records: Sequence[Record], name: str) -> str:
     """A plain two-column table: the run's name, its last step, the final training loss
-    (overall and per task), the best and final evaluation loss (with their steps), the median
+    (overall and per task) and each metric reported per task, the best and final evaluation
+    loss (with their steps) and the final evaluation metrics, the median
     throughput and the OOM-skipped batches. Rows whose metrics the records lack are left out.
     """
     train, evals = _by_step(records, "train"), _by_step(records, "eval")
     rows = [("run", name), ("steps", _steps(records, train, evals))]
-    for key in _loss_keys(train):
-        step, value = _final(train, key)
-        rows.append((f"train {key}", f"{_number(value)} (step {step})"))
-    for key in _loss_keys(evals):
-        step, value = _final(evals, key)
-        best = min(((v, s) for s, v in _series(evals, key) if not math.isnan(v)), default=None)
-        best_text = f"{_number(best[0])} (step {best[1]})" if best else "n/a"
-        rows.append((f"eval {key}", f"best {best_text}, final {_number(value)} (step {step})"))
+    for family in _families(train):
+        for key in _family_keys(train, family):
+            step, value = _final(train, key)
+            rows.append((f"train {key}", f"{_number(value)} (step {step})"))
+    for family in _families(evals):
+        for key in _family_keys(evals, family):
+            step, value = _final(evals, key)
+            final = f"final {_number(value)} (step {step})"
+            if family != "loss":
+                rows.append((f"eval {key}", final))
+                continue
+            series = _series(evals, key)
+            best = min(((v, s) for s, v in series if not math.isnan(v)), default=None)
+            best_text = f"{_number(best[0])} (step {best[1]})" if best else "n/a"
+            rows.append((f"eval {key}", f"best {best_text}, {final}"))
     throughput = [v for _, v in _series(train, "samples_per_s") if not math.isnan(v)]
     if throughput:
         rows.append(("throughput", f"{statistics.median(throughput):,.1f} samples/s (median)"))
@@ -140,10 +148,19 @@ def _by_step(records: Sequence[Record], kind: str) -> list[Record]:
     return [latest[step] for step in sorted(latest)]
 
 
-def _loss_keys(records: Sequence[Record]) -> list[str]:
-    """``loss`` (when present), then each ``loss/<task>`` in the order tasks first appear."""
-    keys = dict.fromkeys(k for r in records for k in r if k == "loss" or k.startswith("loss/"))
-    return sorted(keys, key=lambda k: k != "loss")
+def _families(records: Sequence[Record]) -> list[str]:
+    """``loss`` (when present), then each other metric reported per task (``name`` beside
+    ``name/<task>``, as a step's per-sample metrics are), in the order they first appear."""
+    keys = dict.fromkeys(k for r in records for k in r)
+    bases = dict.fromkeys(k.split("/", 1)[0] for k in keys if "/" in k)
+    found = [b for b in bases if b in keys and b != "loss"]
+    return ["loss", *found] if "loss" in keys else found
+
+
+def _family_keys(records: Sequence[Record], base: str) -> list[str]:
+    """``base`` (when present), then each ``base/<task>`` in the order tasks first appear."""
+    keys = dict.fromkeys(k for r in records for k in r if k == base or k.startswith(f"{base}/"))
+    return sorted(keys, key=lambda k: k != base)
 
 
 def _series(records: Sequence[Record], key: str) -> list[tuple[int, float]]:
@@ -174,8 +191,8 @@ def _oom_skipped(records: Sequence[Record]) -> int | None:
 def plot(records: Sequence[Record], path: Path, title: str) -> Figure:
     """Draw the report's figure into ``path`` (its format from the suffix; PNG without one),
     with matplotlib's Agg backend, and return it. One panel each, sharing the step axis:
-    ``Training loss`` (overall and per task), ``Evaluation loss`` (when there are
-    evaluations) and ``Throughput`` (when the records have ``samples_per_s``). A loss panel's
+    ``Training loss`` (overall and per task), ``Training <metric>`` for each metric reported
+    per task, the same for evaluations (when there are any) and ``Throughput`` (when the records have ``samples_per_s``). A loss panel's
     y axis is logarithmic when every value on it is positive.
 
     :raises UsageError: when matplotlib is missing, ``path``'s folder does not exist or its
@@ -192,10 +209,9 @@ def plot(records: Sequence[Record], path: Path, title: str) -> Figure:
         raise UsageError(f"{path}: folder {path.parent} does not exist")
     train, evals = _by_step(records, "train"), _by_step(records, "eval")
     panels: list[tuple[str, list[Record], list[str], str]] = []
-    if _loss_keys(train):
-        panels.append(("Training loss", train, _loss_keys(train), "loss"))
-    if _loss_keys(evals):
-        panels.append(("Evaluation loss", evals, _loss_keys(evals), "loss"))
+    for kind, rows in (("Training", train), ("Evaluation", evals)):
+        for family in _families(rows):
+            panels.append((f"{kind} {family}", rows, _family_keys(rows, family), family))
     if any(not math.isnan(v) for _, v in _series(train, "samples_per_s")):
         panels.append(("Throughput", train, ["samples_per_s"], "samples/s"))
 
@@ -226,7 +242,7 @@ def _panel(ax: Axes, name: str, records: Sequence[Record], keys: Sequence[str], 
     ax.set_title(name)
     ax.set_ylabel(unit)
     ax.grid(True, alpha=0.3)
-    if unit == "loss" and values and min(values) > 0:
+    if unit != "samples/s" and values and min(values) > 0:
         ax.set_yscale("log")
     if len(keys) > 1:
         ax.legend()

@@ -25,7 +25,9 @@ import torch
 from torch import nn
 
 from . import batches
-from .errors import UsageError
+from .config import Config
+from .errors import ConfigError, UsageError
+from .imports import load_object
 
 Where = int | str | Callable[[Any], Any]
 """Where something is in a batch: an index, a key or attribute name, or a function of it."""
@@ -160,3 +162,35 @@ def pick(batch: Any, where: Where, key: str) -> Any:
     if hasattr(batch, where):
         return getattr(batch, where)
     raise StepError(f"{key}: a {type(batch).__name__} batch has no attribute or key {where!r}")
+
+
+def build_step(config: Config) -> Step:
+    """Call ``step.factory(**step.options)``; the built-in step also takes ``training.loss``
+    and the ``metrics.factory`` function.
+
+    :raises ConfigError: naming ``step.factory``, ``step.options`` or ``metrics.factory``.
+    """
+    factory = load_object(config.step.factory, "step.factory")
+    options = dict(config.step.options)
+    metrics = config.metrics.factory if config.metrics is not None else None
+    if factory is Step:
+        options.setdefault("criterion", config.training.loss)
+        if metrics is not None:
+            options["metric_fn"] = load_object(metrics, "metrics.factory")(
+                **config.metrics.options  # type: ignore[union-attr]
+            )
+    elif metrics is not None:
+        raise ConfigError(
+            "metrics.factory",
+            f"is for the built-in step; {config.step.factory} computes its metrics in its own "
+            "metrics(outputs, batch) (metrics.reduce still applies)",
+        )
+    try:
+        step = factory(**options)
+    except TypeError as error:
+        raise ConfigError("step.options", f"{config.step.factory}: {error}") from None
+    if not isinstance(step, Step):
+        raise ConfigError(
+            "step.factory", f"returned {type(step).__name__}, not a ups.core.Step (subclass it)"
+        )
+    return step

@@ -28,6 +28,7 @@ from .batches import to_device
 from .collectives import Failure, RankFailedError, gather_failures
 from .config import TrainingConfig
 from .context import RunContext
+from .errors import ConfigError, UsageError
 from .metrics import LossWindow
 from .step import Step, StepError
 from .user_metrics import UserMetrics
@@ -169,11 +170,17 @@ class Stepper:
         micro_batches = itertools.islice(batches, group)
         taken: list[Taken] = []
         losses: list[torch.Tensor] = []
-        if (
-            group > 1 and not self._agreed(self._local_micro_batches, micro_batches, group, taken)
-        ) or not self._agreed(self._synced_forward, micro_batches, group, taken, losses):
-            collections.deque(micro_batches, maxlen=0)  # read the rest: ranks stay in step
-            return None
+        try:
+            if (
+                group > 1
+                and not self._agreed(self._local_micro_batches, micro_batches, group, taken)
+            ) or not self._agreed(self._synced_forward, micro_batches, group, taken, losses):
+                collections.deque(micro_batches, maxlen=0)  # read the rest: ranks stay in step
+                return None
+        except ConfigError as error:  # the step's or the data's: say at which step
+            raise ConfigError(error.path, f"at step {number}: {error.problem}") from None
+        except UsageError as error:
+            raise type(error)(f"at step {number}: {error}") from None
         self.oom_in_a_row = 0
         losses[0].backward()  # type: ignore[no-untyped-call]
         grad_norm = float("nan")

@@ -13,10 +13,12 @@ import torch
 from .config import Config, PluginChoice
 from .errors import ConfigError
 from .imports import load_object
+from .loader import check_loader
 from .optim import OPTIMIZERS, SCHEDULERS, resolve
 from .plugins import Registry
 from .records import SamplerPlugin
 from .schedule import schedule_warnings
+from .step import build_step
 
 MIN_GLOBAL_BATCH = 16
 """Below this many samples per optimizer step over all ranks, gradients are mostly noise."""
@@ -33,10 +35,10 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     """
     load_object(config.model.factory, "model.factory")
     load_object(config.data.factory, "data.factory")
-    for key in ("eval", "metrics"):
-        section = getattr(config, key)
-        if section is not None:
-            load_object(section.factory, f"{key}.factory")
+    if config.eval is not None:
+        load_object(config.eval.factory, "eval.factory")
+    build_step(config)
+    check_loader(config.data.loader)
     sampler, _ = select_sampler(registry, config.sampler, "sampler", exact=False)
     if config.eval is not None:
         select_sampler(registry, config.eval.sampler, "eval.sampler", exact=True)
