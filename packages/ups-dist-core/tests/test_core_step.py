@@ -289,3 +289,53 @@ def test_a_step_object_from_python_runs_its_methods_on_a_dict_batch() -> None:
     assert Step().task_ids((batch["x"], batch["y"])) is None  # a 2-tuple has no task ids
     with pytest.raises(StepError, match=r"step\.criterion: 'huber' is not a loss; allowed"):
         Step(criterion="huber")
+
+
+def task_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return batch["t"] * 0 + 1
+
+
+def absolute_error(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs - targets).abs()
+
+
+class FunctionsOnTheClass(Step):
+    """Functions set as class attributes are called as they are, not bound to the step."""
+
+    inputs = "x"
+    target = "y"
+    task = task_of
+    criterion = absolute_error
+
+
+class TokenMean(Step):
+    """A loss averaged over tokens, not samples: ``(mean, tokens)``."""
+
+    def loss(self, outputs: Any, batch: Any) -> tuple[torch.Tensor, int]:
+        return outputs.sum() / 40, 40
+
+
+def test_functions_set_on_a_subclass_are_not_bound_to_the_step() -> None:
+    step = FunctionsOnTheClass()
+    batch = {"x": torch.ones(3, 2), "y": torch.zeros(3, 1), "t": torch.tensor([0, 1, 0])}
+    outputs = step.forward(torch.nn.Linear(2, 1), batch)
+    assert step.task_ids(batch).tolist() == [1, 1, 1]  # type: ignore[union-attr]
+    assert step.loss(outputs, batch).shape == (3,)  # type: ignore[union-attr]
+
+
+def test_a_mean_loss_counts_for_the_samples_it_says_it_averages() -> None:
+    from ups.core import RunContext
+    from ups.core.metrics import LossWindow
+    from ups.core.stepping import Forward
+    from ups.core.user_metrics import UserMetrics
+
+    ctx = RunContext()
+    forward = Forward(TokenMean(), ctx, "fp32", UserMetrics({}, ("all",), ctx.device), pinned=False)
+    mean, taken = forward(torch.nn.Identity(), (torch.full((4, 10), 2.0), torch.zeros(4)))
+    assert (mean.item(), taken.samples, taken.weight) == (2.0, 4, 40)
+    window = LossWindow((), ctx.device)
+    taken.count(window, forward.metrics)
+    window.add(torch.full((10,), 8.0), None)  # ten samples of 8, per sample
+    taken.count(window, forward.metrics)  # 40 tokens of 2 again
+    result = window.report(ctx).result()
+    assert result["loss"] == pytest.approx((80 * 2 + 10 * 8) / 90)

@@ -18,6 +18,7 @@ A model with its own loss subclasses :class:`Step` and overrides :meth:`Step.for
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -101,26 +102,26 @@ class Step:
 
     def forward(self, model: nn.Module, batch: Any) -> Any:
         """The model's outputs for ``batch``; by default ``model`` called with :attr:`inputs`."""
-        where = self.inputs
+        where = _raw(self, "inputs")
         if isinstance(where, Mapping):
             return model(**{name: pick(batch, w, "step.inputs") for name, w in where.items()})
         if isinstance(where, list | tuple):
             return model(*(pick(batch, w, "step.inputs") for w in where))
-        return model(pick(batch, where, "step.inputs"))  # type: ignore[arg-type]
+        return model(pick(batch, where, "step.inputs"))
 
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor | tuple[torch.Tensor, int]:
         """The loss: one value per sample (shape ``[batch size]``: accumulation, per-task
         losses and equivalence over ranks hold exactly), or a 0-d mean over the batch, or
         ``(mean, samples)`` when it averages over another number of samples (tokens, say).
         By default :attr:`criterion` against :attr:`target`, averaged per sample."""
-        criterion = self.criterion
+        criterion = _raw(self, "criterion")
         fn = CRITERIA[criterion] if isinstance(criterion, str) else criterion
-        unreduced = fn(outputs, pick(batch, self.target, "step.target")).float()
+        unreduced = fn(outputs, pick(batch, _raw(self, "target"), "step.target")).float()
         return unreduced.reshape(len(unreduced), -1).mean(dim=1)
 
     def task_ids(self, batch: Any) -> torch.Tensor | None:
         """Each sample's task id (integers in ``data.tasks`` order), or ``None``."""
-        where = self.task
+        where = _raw(self, "task")
         if where is None:
             return None
         if isinstance(where, int) and isinstance(batch, list | tuple) and where >= len(batch):
@@ -132,13 +133,20 @@ class Step:
         number or 0-d tensor per name (aggregated as ``metrics.reduce`` says), or a tensor of
         one value per sample (averaged over samples, overall and per task: ``name/<task>``).
         By default the config's ``metrics.factory`` function, if any."""
-        if self.metric_fn is None:
+        fn = _raw(self, "metric_fn")
+        if fn is None:
             return {}
-        return self.metric_fn(outputs, pick(batch, self.target, "step.target"))
+        return fn(outputs, pick(batch, _raw(self, "target"), "step.target"))  # type: ignore[no-any-return]
 
     def batch_size(self, batch: Any) -> int:
         """Samples in ``batch``: by default the first dimension of its first tensor."""
         return batches.batch_size(batch)
+
+
+def _raw(step: Step, name: str) -> Any:
+    """``step``'s attribute ``name`` as set: a function set on the class is not bound to the
+    step (``task = task_of`` calls ``task_of(batch)``)."""
+    return inspect.getattr_static(step, name)
 
 
 def pick(batch: Any, where: Where, key: str) -> Any:
@@ -165,25 +173,30 @@ def pick(batch: Any, where: Where, key: str) -> Any:
 
 
 def build_step(config: Config) -> Step:
-    """Call ``step.factory(**step.options)``; the built-in step also takes ``training.loss``
-    and the ``metrics.factory`` function.
+    """Call ``step.factory(**step.options)``; the built-in step (or a subclass that keeps its
+    constructor, loss and metrics) also takes ``training.loss`` and ``metrics.factory``'s
+    function.
 
     :raises ConfigError: naming ``step.factory``, ``step.options`` or ``metrics.factory``.
     """
     factory = load_object(config.step.factory, "step.factory")
     options = dict(config.step.options)
     metrics = config.metrics.factory if config.metrics is not None else None
-    if factory is Step:
+    # A Step (or a subclass keeping its constructor) whose loss and metrics are the built-in
+    # ones takes training.loss and metrics.factory's function.
+    cls: Any = factory if isinstance(factory, type) and issubclass(factory, Step) else None
+    built_in = cls is not None and cls.__init__ is Step.__init__
+    if built_in and cls.loss is Step.loss and cls.criterion is Step.criterion:
         options.setdefault("criterion", config.training.loss)
-        if metrics is not None:
-            options["metric_fn"] = load_object(metrics, "metrics.factory")(
-                **config.metrics.options  # type: ignore[union-attr]
+    if metrics is not None:
+        if not built_in or cls.metrics is not Step.metrics:
+            raise ConfigError(
+                "metrics.factory",
+                f"is for the built-in step's metrics; {config.step.factory} computes its "
+                "metrics in its own metrics(outputs, batch) (metrics.reduce still applies)",
             )
-    elif metrics is not None:
-        raise ConfigError(
-            "metrics.factory",
-            f"is for the built-in step; {config.step.factory} computes its metrics in its own "
-            "metrics(outputs, batch) (metrics.reduce still applies)",
+        options["metric_fn"] = load_object(metrics, "metrics.factory")(
+            **config.metrics.options  # type: ignore[union-attr]
         )
     try:
         step = factory(**options)

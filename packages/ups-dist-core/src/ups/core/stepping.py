@@ -48,13 +48,15 @@ class Taken:
     samples: int
     task_ids: torch.Tensor | None
     metrics: dict[str, torch.Tensor]
+    weight: int
+    """What a mean loss counts for: the samples (or tokens) it averages over."""
 
     def count(self, window: LossWindow, metrics: UserMetrics) -> None:
         """Add this micro-batch to the loss window and the user metrics."""
         if self.loss.dim():
             window.add(self.loss, self.task_ids)
         else:
-            window.add_mean(self.loss, self.samples)
+            window.add_mean(self.loss, self.weight)
         metrics.add(self.metrics, self.samples, self.task_ids)
 
 
@@ -77,10 +79,10 @@ class Forward:
             outputs = step.forward(module, batch)
             returned = step.loss(outputs, batch)
         samples = step.batch_size(batch)
-        mean, loss = self._checked(returned, samples)
+        mean, loss, weight = self._checked(returned, samples)
         with torch.no_grad():
             values = self.metrics.check(step.metrics(outputs, batch), samples)
-        return mean, Taken(loss.detach(), samples, step.task_ids(batch), values)
+        return mean, Taken(loss.detach(), samples, step.task_ids(batch), values, weight)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's autocast (none for fp32)."""
@@ -88,20 +90,21 @@ class Forward:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=AUTOCAST_DTYPES[self._precision])
 
-    def _checked(self, returned: Any, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mean loss and the per-sample (or mean) loss to count, from what ``loss`` gave.
+    def _checked(self, returned: Any, samples: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The mean loss, the per-sample (or mean) loss to count, and what a mean counts for,
+        from what ``loss`` gave.
 
         :raises StepError: naming the step's ``loss`` and what it should have returned.
         """
         loss, count = returned, samples
         if isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[1], int):
             loss, count = returned
-        if isinstance(loss, torch.Tensor) and loss.is_floating_point():
+        if isinstance(loss, torch.Tensor) and loss.is_floating_point() and count > 0:
             if loss.dim() == 0:
-                return loss.float(), loss.float()
+                return loss.float(), loss.float(), count
             if loss.dim() == 1 and len(loss) == samples and count == samples:
                 loss = loss.float()
-                return loss.mean(), loss
+                return loss.mean(), loss, samples
         shape = (
             f"a tensor of shape {tuple(loss.shape)} ({loss.dtype})"
             if isinstance(loss, torch.Tensor)
