@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ups.core.testing import assert_bitwise_equal
+from ups.core.testing import assert_bitwise_equal, run_ups
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pde_operator"
@@ -196,29 +196,13 @@ def test_the_step_calls_the_model_with_two_inputs(dataset: Any) -> None:
 
 @pytest.mark.slow
 def test_the_example_trains_on_two_ranks_with_per_task_metrics(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ups.core",
-            "train",
-            str(EXAMPLE / "pde_operator.yaml"),
-            "--nproc",
-            "2",
-            "-o",
-            f"run.output_dir={tmp_path}",
-            "-o",
-            "training.max_steps=30",
-            "-o",
-            f"data.options.root={tmp_path / 'data'}",
-            "-o",
-            f"eval.options.root={tmp_path / 'data'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_ups(
+        *("train", str(EXAMPLE / "pde_operator.yaml"), "--nproc", "2"),
+        *("-o", f"run.output_dir={tmp_path}", "-o", "training.max_steps=30"),
+        *("-o", f"data.options.root={tmp_path / 'data'}"),
+        *("-o", f"eval.options.root={tmp_path / 'data'}"),
         cwd=tmp_path,
-        env=os.environ | {"UPS_LOG_FORMAT": "json"},
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
