@@ -254,16 +254,20 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def alternate(
-    rounds: int, run: Callable[[str], dict[str, float]], label: str
+    rounds: int,
+    run: Callable[[str], dict[str, float]],
+    label: str,
+    sides: tuple[str, ...] = ("engine", "plain"),
 ) -> dict[str, list[dict[str, float]]]:
-    """``rounds`` rounds of engine and plain, alternating which goes first."""
-    sides = ("engine", "plain")
+    """``rounds`` rounds of every side, in order and reversed in turn; each result carries the
+    1-minute load average before its run."""
     results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for i in range(rounds):
         for side in sides if i % 2 == 0 else sides[::-1]:
-            results[side].append(run(side))
+            load = os.getloadavg()[0]
+            results[side].append({**run(side), "load_1min": load})
             shown = ", ".join(f"{k} {v:.2f}" for k, v in results[side][-1].items())
-            print(f"  {label} {i + 1}/{rounds} {side:6}: {shown}", flush=True)
+            print(f"  {label} {i + 1}/{rounds} {side:12}: {shown}", flush=True)
     return results
 
 
