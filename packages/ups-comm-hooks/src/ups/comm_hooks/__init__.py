@@ -11,7 +11,12 @@
 
 Every hook counts the bytes it hands to collectives (:class:`Traffic`); the engine reports them
 per step next to plain all-reduce's, and with ``profile: true`` each bucket's time and bytes.
+
+In a loop of one's own, :func:`register_hook` registers a hook by name on a DDP model and returns
+its state (see docs/own-loop.md).
 """
+
+from ._by_name import register_hook
 
 from ._compress import (
     CompressionHook,
@@ -49,6 +54,7 @@ __all__ = [
     "powersgd_compression",
     "powersgd_hook",
     "register",
+    "register_hook",
     "topk_compression",
     "topk_hook",
 ]

@@ -31,9 +31,17 @@ Handler = Any
 
 
 class Preemption:
-    """Watches for ``signals`` while entered (handlers are installed from the main thread)."""
+    """Watches for ``signals`` while entered (handlers are installed from the main thread).
 
-    def __init__(self, ctx: RunContext, signals: Iterable[signal.Signals]) -> None:
+    In a loop of one's own: every rank calls :meth:`agreed` once per step, and all save and
+    stop at the step it says ``True``.
+    """
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGUSR1),
+    ) -> None:
         self.ctx = ctx
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None

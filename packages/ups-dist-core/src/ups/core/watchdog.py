@@ -79,22 +79,23 @@ def verdict(marks: Sequence[Mark | None], timeout_s: float) -> str | None:
 class Watchdog:
     """Watches this rank's progress through the steps while entered (distributed runs only).
 
-    ``key`` tells this run's marks from another's in the store (the same on every rank: the
-    agreed restart count).
+    ``key`` tells this run's marks from another's in the store (the same on every rank; by
+    default the launcher's restart count, which torchrun gives every rank alike). In a loop of
+    one's own, call :meth:`mark` with the step at the start of each step.
     """
 
-    def __init__(self, ctx: RunContext, key: str) -> None:
+    def __init__(self, ctx: RunContext, key: str | None = None) -> None:
         self.ctx = ctx
         self.timeout_s = ctx.timeout_s
         self._answer_s = (collective_timeout(ctx.timeout_s) - ctx.timeout_s) / 2
-        self._key = key
+        self._key = str(ctx.restart_count) if key is None else key
         self._mark: Mark = (0, DONE)
         self._moved = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._round = 0
 
-    def mark(self, step: int, phase: int) -> None:
+    def mark(self, step: int, phase: int = STARTED) -> None:
         """This rank reached ``phase`` of its ``step``-th attempted step (cheap: no I/O)."""
         self._mark, self._moved = (step, phase), time.monotonic()
 
