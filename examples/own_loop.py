@@ -28,7 +28,7 @@ from ups.core import LossWindow, Preemption, Watchdog, decide, distributed_sessi
 from ups.samplers import MultiTaskDistributedSampler
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pde_multitask import TASKS, build_dataset, build_model  # noqa: E402
+from pde_multitask import TASKS, build_dataset, build_model
 
 log = structlog.get_logger()
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -44,8 +44,11 @@ def test_a_hook_by_name_on_a_user_s_ddp_model() -> None:
 def test_bad_arguments_are_refused_naming_them() -> None:
     ctx = RunContext()
     module = torch.nn.Linear(2, 2)
-    with pytest.raises(ConfigError, match=r"^name: unknown comm hook 'powersdg'; allowed: .*"
-                       r"did you mean 'powersgd'\?$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^name: unknown comm hook 'powersdg'; allowed: .*"
+        r"did you mean 'powersgd'\?$",
+    ):
         register_hook(module, "powersdg", ctx=ctx)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^options.matrix_approximation_rank: expected"):
         register_hook(

@@ -52,6 +52,6 @@ def checkpointer(
                 f"{text} is a file; give a folder (made when missing) or a URL (s3://...)",
             )
         record = backends["sharded" if sharded else "local"]
-    built = structure(record.options, options)
+    built: Any = structure(record.options, options)
     checkpoints: Checkpointer = record.factory(ctx=ctx, directory=directory, options=built)
     return checkpoints

@@ -17,7 +17,6 @@ its state (see docs/own-loop.md).
 """
 
 from ._by_name import register_hook
-
 from ._compress import (
     CompressionHook,
     CompressionState,
