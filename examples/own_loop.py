@@ -39,10 +39,10 @@ parser.add_argument("--samples", type=int, default=256, help="samples per task")
 args = parser.parse_args()
 
 
-def batches(loader: DataLoader[tuple[torch.Tensor, ...]]) -> Iterator[tuple[torch.Tensor, ...]]:
+def batches(
+    loader: DataLoader[tuple[torch.Tensor, ...]], sampler: MultiTaskDistributedSampler
+) -> Iterator[tuple[torch.Tensor, ...]]:
     """The loader's batches, epoch after epoch, from where the sampler's state says."""
-    sampler = loader.sampler
-    assert isinstance(sampler, MultiTaskDistributedSampler)
     epoch = sampler.epoch
     while True:
         sampler.set_epoch(epoch)  # the loaded epoch goes on where it stopped; others start anew
@@ -81,7 +81,7 @@ with distributed_session(enabled=True) as ctx:
     window = LossWindow(TASKS, ctx.device)
     stop = False
     with Preemption(ctx) as preemption, Watchdog(ctx) as watchdog:
-        stream = batches(loader)
+        stream = batches(loader, sampler)
         while step < args.steps and not stop:
             x, y, task = next(stream)  # taken only when stepped on: the sampler's state is exact
             watchdog.mark(step)
