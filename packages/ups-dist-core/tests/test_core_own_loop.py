@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from ups.core import LossWindow, Preemption, RunContext, Watchdog, decide
+from ups.core import ConfigError, LossWindow, Preemption, RunContext, Watchdog, decide
 from ups.core.testing import run_ranks
 
 ENGINE = ("ups.core.engine", "ups.core.launch", "ups.core.plugins", "ups.core.stepping")
@@ -48,3 +48,10 @@ def test_the_own_loop_parts_with_their_defaults_and_without_the_engine() -> None
         assert result["metrics"] == {"loss": 5.5, "loss/a": 0.5, "loss/b": 10.5, "samples": 12}
         assert result["stopped_at"] == 3  # one step after the signal, on every rank
         assert result["engine"] == []
+
+
+def test_bad_arguments_are_refused_naming_them() -> None:
+    with pytest.raises(ConfigError, match=r"^tasks: expected a list of task names, got 'ab'$"):
+        LossWindow("ab", torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"^signals: 'SIGTERM' is not a signal; allowed: "):
+        Preemption(RunContext(), ["SIGTERM"])  # type: ignore[list-item]

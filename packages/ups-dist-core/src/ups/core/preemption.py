@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .context import RunContext
+from .errors import ConfigError
 
 log = structlog.get_logger()
 
@@ -35,6 +36,8 @@ class Preemption:
 
     In a loop of one's own: every rank calls :meth:`agreed` once per step, and all save and
     stop at the step it says ``True``.
+
+    :raises ConfigError: when one of ``signals`` is not a :class:`signal.Signals`.
     """
 
     def __init__(
@@ -44,6 +47,12 @@ class Preemption:
     ) -> None:
         self.ctx = ctx
         self.signals = tuple(signals)
+        for sig in self.signals:
+            if not isinstance(sig, signal.Signals):
+                raise ConfigError(
+                    "signals",
+                    f"{sig!r} is not a signal; allowed: signal.SIGTERM, signal.SIGUSR1, ...",
+                )
         self.received: signal.Signals | None = None
         """The signal this rank got, if any."""
         self.stopped = False
