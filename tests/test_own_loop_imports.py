@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ def test_samplers_and_ckpt_alone_never_import_the_engine(tmp_path: Path) -> None
     done = subprocess.run(
         [sys.executable, "-c", LOOP, str(tmp_path)], capture_output=True, text=True, check=True
     )
-    imported = set(eval(done.stdout))
+    imported = set(ast.literal_eval(done.stdout))
     assert {"ups.samplers", "ups.ckpt", "ups.core"} <= imported
     assert imported.isdisjoint(
         {"ups.core.engine", "ups.core.launch", "ups.core.plugins", "ups.core.stepping"}
