@@ -40,8 +40,9 @@ import torch.distributed as dist
 from ups.core import Loaded, RunContext, at_least
 from ups.core.files import fsync_dir, write_atomically
 
+from ._latest import newest_verified
 from .errors import CheckpointError, agree, on_main
-from .manifest import MANIFEST, Manifest
+from .manifest import MANIFEST, Manifest, read_committed
 from .retention import prune
 from .serialize import FileRecord, agree_safe, checksum, dump, load
 
@@ -266,28 +267,17 @@ class LocalCheckpointer:
         )
 
     def _find_latest(self) -> tuple[str, int, int] | None:
-        """The checkpoint ``latest`` names, else the newest committed one, if it verifies;
-        else the newest that does, with a warning naming each damaged one skipped."""
-        committed = self.committed()
+        """The checkpoint to load (:func:`~ups.ckpt._latest.newest_verified`): its path, step
+        and world size."""
         pointer = _read_latest(self.folder)
-        named = [c for c in committed if c.path.name == pointer]
-        if pointer is not None and not named and committed:
-            log.warning("'latest' names no committed checkpoint", latest=pointer)
-        for candidate in named + [c for c in reversed(committed) if c not in named]:
-            damage = _damage(candidate)
-            if damage is None:
-                return str(candidate.path), candidate.step, candidate.manifest.world_size
-            log.warning(
-                "damaged checkpoint skipped: loading an older one",
-                checkpoint=str(candidate.path),
-                damage=damage,
-            )
-        if committed:
-            raise CheckpointError(
-                f"no checkpoint in {self.folder} verifies against its COMMIT manifest "
-                f"({len(committed)} damaged); move them away to start afresh"
-            )
-        return None
+        found = newest_verified(
+            self.committed(),
+            latest=None if pointer is None else str(self.folder / pointer),
+            location=lambda c: str(c.path),
+            damage=_damage,
+            where=f"in {self.folder}",
+        )
+        return None if found is None else (str(found.path), found.step, found.manifest.world_size)
 
 
 def _damage(checkpoint: Committed) -> str | None:
@@ -332,22 +322,10 @@ def _read(path: Path) -> dict[str, Any]:
 def _read_manifest(path: Path) -> Manifest | None:
     """The manifest of a checkpoint folder, or ``None`` when it is not committed."""
     try:
-        text = (path / MANIFEST).read_text()
+        text: str | None = (path / MANIFEST).read_text()
     except FileNotFoundError:
-        return None
-    try:
-        manifest = Manifest.from_json(text)
-    except ValueError as error:
-        log.warning("unreadable COMMIT; checkpoint ignored", checkpoint=str(path), error=str(error))
-        return None
-    if f"step-{manifest.step}" != path.name:
-        log.warning(
-            "COMMIT names another step; checkpoint ignored",
-            checkpoint=str(path),
-            step=manifest.step,
-        )
-        return None
-    return manifest
+        text = None
+    return read_committed(text, path.name, str(path))
 
 
 def _read_latest(folder: Path) -> str | None:

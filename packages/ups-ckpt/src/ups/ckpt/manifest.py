@@ -14,8 +14,11 @@ import re
 from typing import TypeGuard
 
 import attrs
+import structlog
 
 from .serialize import FileRecord
+
+log = structlog.get_logger()
 
 MANIFEST = "COMMIT"
 """The manifest's file name, in the checkpoint's folder (or under its prefix)."""
@@ -60,6 +63,25 @@ class Manifest:
             files={name: FileRecord(r["size"], r["crc32"]) for name, r in files.items()},
             saved_at=str(data.get("saved_at", "")),
         )
+
+
+def read_committed(text: str | None, name: str, location: str) -> Manifest | None:
+    """The manifest of checkpoint ``name`` (``step-<N>``) from its ``COMMIT`` file's ``text``
+    (``None``: there is none), or ``None`` when it does not commit that checkpoint: missing,
+    unreadable, or naming another step (those two with a warning naming ``location``)."""
+    if text is None:
+        return None
+    try:
+        manifest = Manifest.from_json(text)
+    except ValueError as error:
+        log.warning("unreadable COMMIT; checkpoint ignored", checkpoint=location, error=str(error))
+        return None
+    if f"step-{manifest.step}" != name:
+        log.warning(
+            "COMMIT names another step; checkpoint ignored", checkpoint=location, step=manifest.step
+        )
+        return None
+    return manifest
 
 
 def _is_record(value: object) -> bool:

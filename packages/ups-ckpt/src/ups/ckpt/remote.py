@@ -51,9 +51,10 @@ import torch.distributed as dist
 
 from ups.core import ConfigError, Loaded, RunContext
 
+from ._latest import newest_verified
 from .errors import CheckpointError, agree, describe, on_main
 from .local import _STEP_DIR, LATEST_FILE, STATE_FILE, LocalCheckpointOptions, _rank_file
-from .manifest import MANIFEST, Manifest
+from .manifest import MANIFEST, Manifest, read_committed
 from .retention import prune
 from .serialize import FileRecord, agree_safe, checksum, dump, load
 
@@ -255,28 +256,17 @@ class FsspecCheckpointer:
         )
 
     def _find(self) -> tuple[str, int, int] | None:
-        """The checkpoint ``latest`` names, else the newest committed one, if it verifies;
-        else the newest that does, with a warning naming each damaged one skipped."""
-        committed = self.committed()
+        """The checkpoint to load (:func:`~ups.ckpt._latest.newest_verified`): its name, step
+        and world size."""
         pointer = self._latest()
-        named = [c for c in committed if c.name == pointer]
-        if pointer is not None and not named and committed:
-            log.warning("'latest' names no committed checkpoint", latest=self._url(pointer))
-        for candidate in named + [c for c in reversed(committed) if c not in named]:
-            damage = self._damage(candidate)
-            if damage is None:
-                return candidate.name, candidate.step, candidate.manifest.world_size
-            log.warning(
-                "damaged checkpoint skipped: loading an older one",
-                checkpoint=self._url(candidate.name),
-                damage=damage,
-            )
-        if committed:
-            raise CheckpointError(
-                f"no checkpoint under {self.url} verifies against its COMMIT manifest "
-                f"({len(committed)} damaged); move them away to start afresh"
-            )
-        return None
+        found = newest_verified(
+            self.committed(),
+            latest=None if pointer is None else self._url(pointer),
+            location=lambda c: self._url(c.name),
+            damage=self._damage,
+            where=f"under {self.url}",
+        )
+        return None if found is None else (found.name, found.step, found.manifest.world_size)
 
     # -- the store ----------------------------------------------------------------------------
 
@@ -322,26 +312,10 @@ class FsspecCheckpointer:
     def _manifest(self, name: str) -> Manifest | None:
         """The manifest of checkpoint ``name``, or ``None`` when it is not committed."""
         try:
-            data = self.fs.cat_file(self._path(f"{name}/{MANIFEST}"))
+            text: str | None = self.fs.cat_file(self._path(f"{name}/{MANIFEST}")).decode()
         except FileNotFoundError:
-            return None
-        try:
-            manifest = Manifest.from_json(data.decode())
-        except ValueError as error:
-            log.warning(
-                "unreadable COMMIT; checkpoint ignored",
-                checkpoint=self._url(name),
-                error=str(error),
-            )
-            return None
-        if f"step-{manifest.step}" != name:
-            log.warning(
-                "COMMIT names another step; checkpoint ignored",
-                checkpoint=self._url(name),
-                step=manifest.step,
-            )
-            return None
-        return manifest
+            text = None
+        return read_committed(text, name, self._url(name))
 
     def _latest(self) -> str | None:
         try:
