@@ -28,31 +28,29 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 import structlog
 import torch.distributed as dist
 
-from ups.core import Loaded, RunContext, at_least
+from ups.core import RunContext, at_least
 from ups.core.files import fsync_dir, write_atomically
 
 from ._latest import newest_verified
-from .errors import CheckpointError, agree, on_main
+from ._protocol import Committing, rank_file
+from .errors import CheckpointError
 from .manifest import MANIFEST, Manifest, read_committed
 from .retention import prune
-from .serialize import FileRecord, agree_safe, checksum, dump, load
+from .serialize import FileRecord, checksum, dump, load
 
 log = structlog.get_logger()
 
-T = TypeVar("T")
 
 CHECKPOINTS = "checkpoints"
 """The folder, inside the run's folder, that holds the checkpoints."""
-STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
 
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -84,8 +82,9 @@ class Committed:
         return self.manifest.step
 
 
-class LocalCheckpointer:
-    """Keeps checkpoints as ``<run dir>/checkpoints/step-<N>/`` folders (see the module doc).
+class LocalCheckpointer(Committing[Path]):
+    """Keeps checkpoints as ``<run dir>/checkpoints/step-<N>/`` folders (see the module doc):
+    the commit protocol of :class:`~ups.ckpt._protocol.Committing` over a folder.
 
     ``group``: the process group its collectives use (``None``: the default one); a background
     saver gives it one of its own.
@@ -99,66 +98,10 @@ class LocalCheckpointer:
         options: LocalCheckpointOptions,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.ctx = ctx
+        super().__init__(ctx, group, place="")
         self.folder = Path(directory) / CHECKPOINTS
         self.options = options
-        self.group = group
         self._swept = False
-
-    # -- the Checkpointer protocol ------------------------------------------------------------
-
-    def save(self, state: Mapping[str, Any], *, step: int, rank_state: Mapping[str, Any]) -> str:
-        """Save rank 0's ``state`` and every rank's ``rank_state`` as checkpoint ``step``.
-
-        A collective: every rank calls it. Returns the committed folder's path on every rank.
-
-        :raises CheckpointError: on every rank, naming the ranks that failed and why.
-        :raises UnsafeCheckpointError: when a state holds what loading would refuse.
-        """
-        what = f"saving checkpoint step {step}"
-        agree_safe(self.ctx, what, step=step, state=state, rank_state=rank_state, group=self.group)
-        tmp = Path(self._on_main(what, lambda: str(self._begin(step))))
-        error: Exception | None = None
-        written: dict[str, FileRecord] = {}
-        try:
-            written = self._write_state(tmp, state)
-            _write(tmp / _rank_file(self.ctx.rank), rank_state)
-        except Exception as caught:  # every rank learns of it below
-            error = caught
-        try:
-            agree(self.ctx, what, error, self.group)
-        except CheckpointError:
-            if self.ctx.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return self._on_main(what, lambda: self._commit(tmp, step, written))
-
-    def load_latest(self) -> Loaded | None:
-        """Load the checkpoint ``latest`` names, else the newest committed one that verifies,
-        on every rank; ``None`` when there is none.
-
-        :raises CheckpointError: on every rank, when any rank cannot read it.
-        :raises UnsafeCheckpointError: when a file would run code to load (on every rank).
-        """
-        found = self._on_main("finding the latest checkpoint", self._find_latest)
-        if found is None:
-            return None
-        path_text, step, saved_world = found
-        path = Path(path_text)
-        state: dict[str, Any] = {}
-        own: dict[str, Any] | None = None
-        error: Exception | None = None
-        try:
-            state = self._read_state(path)
-            if saved_world == self.ctx.world_size:
-                own = _read(path / _rank_file(self.ctx.rank))
-        except Exception as caught:  # every rank learns of it below
-            error = caught
-        agree(self.ctx, f"loading checkpoint {path}", error, self.group)
-        return Loaded(step=step, state=state, rank_state=own, location=str(path))
-
-    def wait(self) -> None:
-        """Nothing to wait for: :meth:`save` returns once the checkpoint is committed."""
 
     def location(self, step: int) -> str:
         """Where checkpoint ``step`` goes once committed."""
@@ -174,30 +117,7 @@ class LocalCheckpointer:
                     found.append(Committed(path, manifest))
         return sorted(found, key=lambda c: c.step)
 
-    # -- how the replicated state is kept (a subclass may keep it otherwise) -------------------
-
-    def _write_state(self, tmp: Path, state: Mapping[str, Any]) -> dict[str, FileRecord]:
-        """Write the replicated ``state`` into the folder ``tmp``; return the records of the
-        files written (rank 0's return is used; files it does not name are read back at commit).
-
-        Every rank calls it, before anything that may fail on one rank only, so a subclass may
-        run collectives over ``self.group`` in it. Here rank 0 writes ``state.pt``.
-        """
-        if not self.ctx.is_main:
-            return {}
-        return {STATE_FILE: _write(tmp / STATE_FILE, state)}
-
-    def _read_state(self, path: Path) -> dict[str, Any]:
-        """Read the replicated state of the committed checkpoint folder ``path``.
-
-        Every rank calls it, first, so a subclass may run collectives over ``self.group`` in it.
-        """
-        return _read(path / STATE_FILE)
-
-    # -- rank 0's parts -----------------------------------------------------------------------
-
-    def _on_main(self, what: str, action: Callable[[], T]) -> T:
-        return on_main(self.ctx, what, action, self.group)
+    # -- the folder ---------------------------------------------------------------------------
 
     def _begin(self, step: int) -> Path:
         if not self.folder.is_dir():
@@ -219,43 +139,48 @@ class LocalCheckpointer:
                 continue
             return tmp
 
-    def _commit(self, tmp: Path, step: int, written: dict[str, FileRecord]) -> str:
-        """Write the manifest (``written``: the records of the files rank 0 wrote; the other
-        ranks' files are read back for theirs), rename, point ``latest`` at it, retain."""
+    def _put(self, where: Path, name: str, obj: Mapping[str, Any]) -> FileRecord:
+        return _write(where / name, obj)
+
+    def _get(self, where: Path, name: str) -> dict[str, Any]:
+        return _read(where / name)
+
+    def _discard(self, staged: Path) -> None:
+        shutil.rmtree(staged, ignore_errors=True)
+
+    def _verify(self, staged: Path, files: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        """Every rank's file is there (a rank's file missing: the folder is not shared); the
+        files no rank recorded are read back for their records."""
+        for rank in range(self.ctx.world_size):
+            name = rank_file(rank)
+            if not (staged / name).is_file():
+                raise CheckpointError(
+                    f"{staged / name} is missing although rank {rank} wrote it: is "
+                    f"{self.folder} on a filesystem every rank shares?"
+                )
+        files = dict(files)
+        for path in sorted(staged.rglob("*")):
+            name = path.relative_to(staged).as_posix()
+            if path.is_file() and name not in files:
+                with open(path, "rb") as file:
+                    files[name] = checksum(file)
+        return files
+
+    def _write_manifest(self, staged: Path, manifest: Manifest) -> None:
+        _write_new(staged / MANIFEST, manifest.to_json())
+        fsync_dir(staged)
+
+    def _publish(self, staged: Path, step: int) -> Path:
         final = self.folder / f"step-{step}"
-        try:
-            for rank in range(self.ctx.world_size):
-                name = _rank_file(rank)
-                if not (tmp / name).is_file():
-                    raise CheckpointError(
-                        f"{tmp / name} is missing although rank {rank} wrote it: is "
-                        f"{self.folder} on a filesystem every rank shares?"
-                    )
-            files = dict(written)
-            for path in sorted(tmp.rglob("*")):
-                name = path.relative_to(tmp).as_posix()
-                if path.is_file() and name not in files:
-                    with open(path, "rb") as file:
-                        files[name] = checksum(file)
-            manifest = Manifest(
-                step=step,
-                world_size=self.ctx.world_size,
-                files=files,
-                saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            )
-            _write_new(tmp / MANIFEST, manifest.to_json())
-            fsync_dir(tmp)
-            if final.exists():
-                # Saving a step again (after resuming): the new checkpoint replaces the old.
-                _remove(final, self.folder)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        if final.exists():
+            # Saving a step again (after resuming): the new checkpoint replaces the old.
+            _remove(final, self.folder)
+        os.rename(staged, final)
         fsync_dir(self.folder)
-        write_atomically(self.folder / LATEST_FILE, final.name + "\n")
-        self._retain(protect=step)
-        return str(final)
+        return final
+
+    def _point_latest(self, where: Path) -> None:
+        write_atomically(self.folder / LATEST_FILE, where.name + "\n")
 
     def _retain(self, protect: int) -> None:
         prune(
@@ -266,9 +191,7 @@ class LocalCheckpointer:
             protected=protect,
         )
 
-    def _find_latest(self) -> tuple[str, int, int] | None:
-        """The checkpoint to load (:func:`~ups.ckpt._latest.newest_verified`): its path, step
-        and world size."""
+    def _find_latest(self) -> tuple[Path, int, int] | None:
         pointer = _read_latest(self.folder)
         found = newest_verified(
             self.committed(),
@@ -277,7 +200,10 @@ class LocalCheckpointer:
             damage=_damage,
             where=f"in {self.folder}",
         )
-        return None if found is None else (str(found.path), found.step, found.manifest.world_size)
+        return None if found is None else (found.path, found.step, found.manifest.world_size)
+
+    def _location_of(self, where: Path) -> str:
+        return str(where)
 
 
 def _damage(checkpoint: Committed) -> str | None:
@@ -299,10 +225,6 @@ def _damage(checkpoint: Committed) -> str | None:
 
 # ---------------------------------------------------------------------------------------------
 # Files
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank-{rank}.pt"
 
 
 def _write(path: Path, obj: Mapping[str, Any]) -> FileRecord:

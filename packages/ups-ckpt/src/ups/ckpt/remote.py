@@ -40,27 +40,25 @@ choice there; this one takes local paths for tests and for filesystems mounted b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 import structlog
 import torch.distributed as dist
 
-from ups.core import ConfigError, Loaded, RunContext
+from ups.core import ConfigError, RunContext
 
 from ._latest import newest_verified
-from .errors import CheckpointError, agree, describe, on_main
-from .local import _STEP_DIR, LATEST_FILE, STATE_FILE, LocalCheckpointOptions, _rank_file
+from ._protocol import Committing
+from .errors import CheckpointError, describe
+from .local import _STEP_DIR, LATEST_FILE, LocalCheckpointOptions
 from .manifest import MANIFEST, Manifest, read_committed
 from .retention import prune
-from .serialize import FileRecord, agree_safe, checksum, dump, load
+from .serialize import FileRecord, checksum, dump, load
 
 log = structlog.get_logger()
-
-T = TypeVar("T")
 
 
 def _url_given(_instance: object, _attribute: attrs.Attribute[str], value: str) -> None:
@@ -97,8 +95,9 @@ class CommittedPrefix:
         return self.manifest.step
 
 
-class FsspecCheckpointer:
-    """Keeps checkpoints as ``<url>/step-<N>/`` prefixes through fsspec (see the module doc).
+class FsspecCheckpointer(Committing[str]):
+    """Keeps checkpoints as ``<url>/step-<N>/`` prefixes through fsspec (see the module doc):
+    the commit protocol of :class:`~ups.ckpt._protocol.Committing` over a store without rename.
 
     ``directory``: the run's folder, which a relative local path is taken relative to.
     ``group``: the process group its collectives use (``None``: the default one); a background
@@ -115,75 +114,15 @@ class FsspecCheckpointer:
         options: FsspecCheckpointOptions,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.ctx = ctx
-        self.options = options
-        self.group = group
         url = options.url.rstrip("/")
         if "://" not in url and not Path(url).is_absolute():
             url = str(Path(directory) / url)
+        super().__init__(ctx, group, place=f" under {url}")
+        self.options = options
         self.url = url
         """The URL the checkpoints are under, as locations and messages name them."""
         self.fs, self.root = _filesystem(url, options.storage_options)
         self._swept = False
-
-    # -- the Checkpointer protocol ------------------------------------------------------------
-
-    def save(self, state: Mapping[str, Any], *, step: int, rank_state: Mapping[str, Any]) -> str:
-        """Save rank 0's ``state`` and every rank's ``rank_state`` as checkpoint ``step``.
-
-        A collective: every rank calls it. Returns the committed checkpoint's URL on every rank.
-
-        :raises CheckpointError: on every rank, naming the ranks that failed and why.
-        :raises UnsafeCheckpointError: when a state holds what loading would refuse.
-        """
-        what = f"saving checkpoint step {step} under {self.url}"
-        agree_safe(self.ctx, what, step=step, state=state, rank_state=rank_state, group=self.group)
-        name = f"step-{step}"
-        self._on_main(what, lambda: self._begin(name))
-        written: dict[str, FileRecord] = {}
-        error: Exception | None = None
-        try:
-            if self.ctx.is_main:
-                written[STATE_FILE] = self._write(f"{name}/{STATE_FILE}", state)
-            own = _rank_file(self.ctx.rank)
-            written[own] = self._write(f"{name}/{own}", rank_state)
-        except Exception as caught:  # every rank learns of it below
-            error = caught
-        try:
-            agree(self.ctx, what, error, self.group)
-        except CheckpointError:
-            if self.ctx.is_main:
-                self._remove_quietly(name)
-            raise
-        files = self._gather(written)
-        return self._on_main(what, lambda: self._commit(name, step, files))
-
-    def load_latest(self) -> Loaded | None:
-        """Load the checkpoint ``latest`` names, else the newest committed one that verifies,
-        on every rank; ``None`` when there is none.
-
-        :raises CheckpointError: on every rank, when any rank cannot read it.
-        :raises UnsafeCheckpointError: when a file would run code to load (on every rank).
-        """
-        found = self._on_main(f"finding the latest checkpoint under {self.url}", self._find)
-        if found is None:
-            return None
-        name, step, saved_world = found
-        state: dict[str, Any] = {}
-        own: dict[str, Any] | None = None
-        error: Exception | None = None
-        try:
-            self.fs.invalidate_cache()  # sizes listed before this checkpoint was written
-            state = self._read(f"{name}/{STATE_FILE}")
-            if saved_world == self.ctx.world_size:
-                own = self._read(f"{name}/{_rank_file(self.ctx.rank)}")
-        except Exception as caught:  # every rank learns of it below
-            error = caught
-        agree(self.ctx, f"loading checkpoint {self._url(name)}", error, self.group)
-        return Loaded(step=step, state=state, rank_state=own, location=self._url(name))
-
-    def wait(self) -> None:
-        """Nothing to wait for: :meth:`save` returns once the checkpoint is committed."""
 
     def location(self, step: int) -> str:
         """The URL checkpoint ``step`` has once committed."""
@@ -198,14 +137,13 @@ class FsspecCheckpointer:
                 found.append(CommittedPrefix(name, manifest))
         return sorted(found, key=lambda c: c.step)
 
-    # -- rank 0's parts -----------------------------------------------------------------------
+    # -- the store ----------------------------------------------------------------------------
 
-    def _on_main(self, what: str, action: Callable[[], T]) -> T:
-        return on_main(self.ctx, what, action, self.group)
-
-    def _begin(self, name: str) -> None:
-        """Clear the way for checkpoint ``name``: delete an older one of that step, and, at
-        this checkpointer's first save, the uncommitted prefixes earlier runs left."""
+    def _begin(self, step: int) -> str:
+        """Clear the way for checkpoint ``step-<step>``, written where it stays: delete an
+        older one of that step, and, at this checkpointer's first save, the uncommitted
+        prefixes earlier runs left."""
+        name = f"step-{step}"
         prefixes = self._step_prefixes()
         if not self._swept:  # no save of this checkpointer is in flight yet
             self._swept = True
@@ -215,36 +153,54 @@ class FsspecCheckpointer:
                     self.fs.rm(self._path(left), recursive=True)
         if name in prefixes:
             self._remove(name)
+        return name
 
-    def _commit(self, name: str, step: int, files: dict[str, FileRecord]) -> str:
-        """Check that the store lists every file at its recorded size, write the manifest,
-        point ``latest`` at it and apply retention."""
+    def _put(self, where: str, name: str, obj: Mapping[str, Any]) -> FileRecord:
+        with self.fs.open(self._path(f"{where}/{name}"), "wb") as file:
+            return dump(dict(obj), file)
+
+    def _get(self, where: str, name: str) -> dict[str, Any]:
+        self.fs.invalidate_cache()  # sizes listed before this checkpoint was written
+        with self.fs.open(self._path(f"{where}/{name}"), "rb") as file:
+            return load(file, self._url(f"{where}/{name}"))
+
+    def _discard(self, staged: str) -> None:
+        """Delete what a failed save wrote, if it can (a prefix left uncommitted is harmless)."""
         try:
             self.fs.invalidate_cache()
-            listed = {
-                _basename(entry["name"]): entry["size"]
-                for entry in self.fs.ls(self._path(name), detail=True)
-            }
-            for file, record in sorted(files.items()):
-                if listed.get(file) != record.size:
-                    raise CheckpointError(
-                        f"{self._url(f'{name}/{file}')} is not there with the {record.size} "
-                        f"bytes written (found: {listed.get(file)}): does every rank reach the "
-                        "same store?"
-                    )
-            manifest = Manifest(
-                step=step,
-                world_size=self.ctx.world_size,
-                files=files,
-                saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            if self.fs.exists(self._path(staged)):
+                self._remove(staged)
+        except Exception as error:  # the next checkpointer's first save deletes it
+            log.warning(
+                "could not delete a failed save",
+                checkpoint=self._url(staged),
+                error=describe(error),
             )
-            self.fs.pipe_file(self._path(f"{name}/{MANIFEST}"), manifest.to_json().encode())
-        except BaseException:
-            self._remove_quietly(name)
-            raise
-        self.fs.pipe_file(self._path(LATEST_FILE), f"{name}\n".encode())
-        self._retain(protect=step)
-        return self._url(name)
+
+    def _verify(self, staged: str, files: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        """The store lists every file at its recorded size."""
+        self.fs.invalidate_cache()
+        listed = {
+            _basename(entry["name"]): entry["size"]
+            for entry in self.fs.ls(self._path(staged), detail=True)
+        }
+        for file, record in sorted(files.items()):
+            if listed.get(file) != record.size:
+                raise CheckpointError(
+                    f"{self._url(f'{staged}/{file}')} is not there with the {record.size} "
+                    f"bytes written (found: {listed.get(file)}): does every rank reach the "
+                    "same store?"
+                )
+        return files
+
+    def _write_manifest(self, staged: str, manifest: Manifest) -> None:
+        self.fs.pipe_file(self._path(f"{staged}/{MANIFEST}"), manifest.to_json().encode())
+
+    def _publish(self, staged: str, step: int) -> str:
+        return staged  # written where it stays: its COMMIT commits it
+
+    def _point_latest(self, where: str) -> None:
+        self.fs.pipe_file(self._path(LATEST_FILE), f"{where}\n".encode())
 
     def _retain(self, protect: int) -> None:
         prune(
@@ -255,9 +211,7 @@ class FsspecCheckpointer:
             protected=protect,
         )
 
-    def _find(self) -> tuple[str, int, int] | None:
-        """The checkpoint to load (:func:`~ups.ckpt._latest.newest_verified`): its name, step
-        and world size."""
+    def _find_latest(self) -> tuple[str, int, int] | None:
         pointer = self._latest()
         found = newest_verified(
             self.committed(),
@@ -268,7 +222,8 @@ class FsspecCheckpointer:
         )
         return None if found is None else (found.name, found.step, found.manifest.world_size)
 
-    # -- the store ----------------------------------------------------------------------------
+    def _location_of(self, where: str) -> str:
+        return self._url(where)
 
     def _path(self, relative: str) -> str:
         """The filesystem's path of ``relative`` (to the URL)."""
@@ -277,24 +232,6 @@ class FsspecCheckpointer:
     def _url(self, relative: str) -> str:
         """The URL of ``relative`` (to the URL), as locations and messages name it."""
         return f"{self.url}/{relative}"
-
-    def _gather(self, written: dict[str, FileRecord]) -> dict[str, FileRecord]:
-        """Every rank's records of the files it wrote, merged, on rank 0 (``{}`` elsewhere)."""
-        if not self.ctx.distributed:
-            return written
-        gathered: list[dict[str, FileRecord] | None] | None = None
-        if self.ctx.is_main:
-            gathered = [None] * self.ctx.world_size
-        dist.gather_object(written, gathered, dst=0, group=self.group)
-        return {name: r for records in gathered or [] for name, r in (records or {}).items()}
-
-    def _write(self, relative: str, obj: Mapping[str, Any]) -> FileRecord:
-        with self.fs.open(self._path(relative), "wb") as file:
-            return dump(dict(obj), file)
-
-    def _read(self, relative: str) -> dict[str, Any]:
-        with self.fs.open(self._path(relative), "rb") as file:
-            return load(file, self._url(relative))
 
     def _step_prefixes(self) -> list[str]:
         """The names of the ``step-<N>`` prefixes under the URL, committed or not."""
@@ -346,17 +283,6 @@ class FsspecCheckpointer:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(f"{name}/{MANIFEST}"))
         self.fs.rm(self._path(name), recursive=True)
-
-    def _remove_quietly(self, name: str) -> None:
-        """Delete what a failed save wrote, if it can (a prefix left uncommitted is harmless)."""
-        try:
-            self.fs.invalidate_cache()
-            if self.fs.exists(self._path(name)):
-                self._remove(name)
-        except Exception as error:  # the next checkpointer's first save deletes it
-            log.warning(
-                "could not delete a failed save", checkpoint=self._url(name), error=describe(error)
-            )
 
 
 def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
