@@ -7,8 +7,13 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from ups.core import CheckpointBackendPlugin, Checkpointer, RunContext, hookimpl
-from ups.core.records import CheckpointFactory
+from ups.core import (
+    CheckpointBackendPlugin,
+    Checkpointer,
+    CheckpointFactory,
+    RunContext,
+    hookimpl,
+)
 
 from .background import InBackground, Locating
 from .local import LocalCheckpointer, LocalCheckpointOptions

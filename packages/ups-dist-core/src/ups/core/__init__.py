@@ -1,17 +1,27 @@
 """ups-dist-core: the engine of ups — run context, config, training loop, plugin contract, CLI."""
 
+from .cli import EXIT_PREEMPTED
 from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
 from .config import Config, config_from_mapping, load_config, read_yaml
 from .context import RunContext, distributed_session
-from .engine import TrainResult
 from .errors import ConfigError, UsageError
-from .launch import run_processes, train
+from .files import fsync_dir, write_atomically
+from .launch import (
+    AGENT_ENV,
+    agent_args,
+    agent_exports,
+    free_port,
+    run_processes,
+    train,
+    train_args,
+)
 from .markers import hookimpl
 from .plugins import Registry, load_plugins
 from .records import (
     TERMINAL,
     CheckpointBackendPlugin,
     Checkpointer,
+    CheckpointFactory,
     CommandPlugin,
     CommHookPlugin,
     Launcher,
@@ -20,13 +30,17 @@ from .records import (
     Loaded,
     NoOptions,
     SamplerPlugin,
+    TrainResult,
 )
 from .step import Step, StepError
 from .structure import above, at_least, structure
 
 __all__ = [
+    "AGENT_ENV",
+    "EXIT_PREEMPTED",
     "TERMINAL",
     "CheckpointBackendPlugin",
+    "CheckpointFactory",
     "Checkpointer",
     "CommandPlugin",
     "CommHookPlugin",
@@ -47,11 +61,15 @@ __all__ = [
     "TrainResult",
     "UsageError",
     "above",
+    "agent_args",
+    "agent_exports",
     "all_mean",
     "at_least",
     "config_from_mapping",
     "decide",
     "distributed_session",
+    "free_port",
+    "fsync_dir",
     "gather_failures",
     "hookimpl",
     "load_config",
@@ -60,4 +78,6 @@ __all__ = [
     "run_processes",
     "structure",
     "train",
+    "train_args",
+    "write_atomically",
 ]

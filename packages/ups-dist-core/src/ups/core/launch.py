@@ -8,6 +8,7 @@ does the same for any function, for notebooks and scripts (like Accelerate's not
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -26,6 +27,7 @@ from .config import (
 )
 from .context import RunContext, distributed_session, launched
 from .plugins import load_plugins
+from .records import TrainResult
 from .tune import tune_here
 
 T = TypeVar("T")
@@ -95,7 +97,7 @@ def train(
     *,
     nproc: int | None = None,
     overrides: Iterable[str] = (),
-) -> engine.TrainResult:
+) -> TrainResult:
     """Train a config (a file, a mapping or a :class:`Config`) on ``nproc`` local processes.
 
     ``nproc`` defaults to ``distributed.nproc``; ``overrides`` (``key.path=value``) apply to a
@@ -119,7 +121,7 @@ def train(
     )
 
 
-def train_in_place(config: Config) -> engine.TrainResult:
+def train_in_place(config: Config) -> TrainResult:
     """Join the process group this process's environment describes, and train ``config``."""
     return _worker(train_here, (config,), config.distributed)
 
@@ -133,7 +135,7 @@ def tune(config: Config, *, nproc: int, start: int = 1, limit: int | None = None
     return run_processes(tune_here, *args, nproc=nproc, distributed=config.distributed)
 
 
-def train_here(ctx: RunContext, config: Config) -> engine.TrainResult:
+def train_here(ctx: RunContext, config: Config) -> TrainResult:
     """Train ``config`` in this process, as this rank of the process group ``ctx`` describes."""
     return engine.train(config, ctx, load_plugins())
 
@@ -147,6 +149,13 @@ def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: i
     elastic_launch(_launch_config(nproc, max_restarts), sys.executable)(
         *train_args(config, overrides)
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def train_args(config: Path, overrides: Iterable[str]) -> list[str]:

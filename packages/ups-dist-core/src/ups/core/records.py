@@ -233,3 +233,28 @@ class CommandPlugin(PluginRecord):
     line, with exit status 2, like the built-in commands' errors."""
 
     factory: CommandFactory
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+@attrs.frozen(kw_only=True)
+class TrainResult:
+    """What a run leaves behind; the same on every rank."""
+
+    steps: int
+    """Optimizer steps taken."""
+    epochs: int
+    """Epochs started."""
+    losses: tuple[float, ...]
+    """The training loss at each report, averaged over the interval and over all ranks."""
+    checkpoint: str | None
+    """Where the final checkpoint went."""
+    preempted: bool = False
+    """Whether a signal stopped the run early (saved where it stopped, to resume)."""
+    metrics: tuple[dict[str, float], ...] = ()
+    """Every report's metrics (``loss``, ``loss/<task>``, ``grad_norm``, ``lr``,
+    ``samples_per_s``, ``oom_skipped``, user metrics, ...)."""
+    eval_metrics: tuple[dict[str, float], ...] = ()
+    """Every evaluation's metrics, over the whole evaluation set (``loss``, ``loss/<task>``)."""
