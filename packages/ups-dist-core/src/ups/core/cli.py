@@ -305,7 +305,8 @@ def _check(config: Config, registry: Registry, nproc: int | None) -> None:
 def _plugins(args: argparse.Namespace) -> int:
     registry = load_plugins()
     rows = [("FAMILY", "NAME", "PLUGIN", "DISTRIBUTION", "STATUS")]
-    versions = {p.name: f"{p.distribution} {p.version}".strip() for p in registry.plugins}
+    # A name's records are the enabled plugin's, never those of a same-named one that failed.
+    versions = {p.name: p.source for p in registry.plugins if p.status == "enabled"}
     for family in FAMILIES:
         for name, provided in sorted(registry.records(family).items()):
             rows.append(
@@ -314,7 +315,7 @@ def _plugins(args: argparse.Namespace) -> int:
     for plugin in registry.plugins:
         if plugin.status != "enabled":
             status = plugin.status + (f": {plugin.error}" if plugin.error else "")
-            rows.append(("-", "-", plugin.name, versions[plugin.name], status))
+            rows.append(("-", "-", plugin.name, plugin.source, status))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print(

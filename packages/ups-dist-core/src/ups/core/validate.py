@@ -101,7 +101,6 @@ def select_sampler(
     :raises ConfigError: naming ``key``, for an unknown sampler or one of the other kind.
     """
     record, options = registry.select("sampler", choice.name, choice.options, key)
-    assert isinstance(record, SamplerPlugin)
     if record.exact != exact:
         kind = (
             "gives every sample to one rank, so ranks may take different numbers of steps"
