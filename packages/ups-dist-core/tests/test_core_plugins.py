@@ -11,7 +11,9 @@ from structlog.testing import capture_logs
 
 from ups.core import CommHookPlugin, ConfigError, SamplerPlugin, UsageError, hookimpl
 from ups.core.builtins import torch_sampler
+from ups.core.config import PluginChoice
 from ups.core.plugins import AUTOLOAD_ENV, BLOCK_ENV, load_plugins
+from ups.core.validate import select_sampler
 from ups.core.testing import install_plugin
 
 
@@ -192,3 +194,14 @@ def test_entry_points_are_discovered_blocked_and_broken_ones_reported(
 
     no_autoload = load_plugins(env=NO_AUTOLOAD)
     assert [p.name for p in no_autoload.plugins] == ["ups-dist-core"]
+
+
+def test_an_unknown_sampler_offers_only_the_samplers_of_its_kind() -> None:
+    registry = load_plugins(extra=[("mine", samplers("reverse"))], env=NO_AUTOLOAD)
+    for key, exact, offered in (
+        ("sampler", False, "reverse, torch"),
+        ("eval.sampler", True, "shard"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            select_sampler(registry, PluginChoice(name="nope"), key, exact=exact)
+        assert str(info.value) == f"{key}.name: unknown sampler 'nope'; available: {offered}"

@@ -101,22 +101,27 @@ class Registry:
             self._records[family] = self._collect(family)
         return self._records[family]
 
-    def get(self, family: Family, name: str, key: str) -> PluginRecord:
+    def get(
+        self, family: Family, name: str, key: str, offer: Iterable[str] | None = None
+    ) -> PluginRecord:
         """The record of ``family`` called ``name``, selected by the config at ``key``.
 
+        :param offer: the names an error offers, when not every record fits ``key`` (the
+            training samplers for ``sampler``); all of the family's by default.
         :raises ConfigError: naming ``key``, the plugins available, and any that failed to load.
         """
         records = self.records(family)
         if name in records:
             return records[name].record
+        available = list(records if offer is None else offer)
         failed = [p for p in self.plugins if p.status == "failed"]
         note = "".join(
             f"; plugin {p.name!r} ({p.source}) failed to load: {p.error}" for p in failed
         )
         raise ConfigError(
             key,
-            f"unknown {family.replace('_', ' ')} {name!r}; available: {one_of(records)}"
-            f"{did_you_mean(name, records)}{note}",
+            f"unknown {family.replace('_', ' ')} {name!r}; available: {one_of(available)}"
+            f"{did_you_mean(name, available)}{note}",
         )
 
     @overload
