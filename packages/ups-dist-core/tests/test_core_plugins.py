@@ -13,8 +13,8 @@ from ups.core import CommHookPlugin, ConfigError, SamplerPlugin, UsageError, hoo
 from ups.core.builtins import torch_sampler
 from ups.core.config import PluginChoice
 from ups.core.plugins import AUTOLOAD_ENV, BLOCK_ENV, load_plugins
-from ups.core.validate import select_sampler
 from ups.core.testing import install_plugin
+from ups.core.validate import select_sampler
 
 
 @attrs.frozen
