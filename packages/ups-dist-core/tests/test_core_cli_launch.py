@@ -246,7 +246,7 @@ def test_launch_needs_a_launcher(tmp_path: Path, ups: Callable[..., Result]) -> 
     unknown = one_line_error(ups("launch", str(config), "--launcher", "nope", "--dry-run"))
     assert unknown.startswith("launch.name: unknown launcher 'nope'; available: ")
     assert one_line_error(ups("launch", str(config), "--nnodes", "0")) == (
-        "--nnodes must be >= 1, not 0"
+        "argument --nnodes: must be >= 1, not 0"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml", "tiny.py"]
 
