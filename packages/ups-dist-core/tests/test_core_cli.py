@@ -76,12 +76,26 @@ def test_plugins_lists_the_builtins() -> None:
     assert ["checkpoint", "simple", "ups-dist-core", "ups-dist-core", "0.1.0", "enabled"] in rows
 
 
-def test_train_on_one_process(project: Path) -> None:
-    result = ups("train", str(project / "run.yaml"), "-o", "training.max_steps=4")
+def test_train_on_one_process_and_again_on_the_complete_run(project: Path) -> None:
+    """Run again with ``resume: latest``, a run that reached its end (here ``max_steps``,
+    mid-epoch) says it is complete, and trains, evaluates and saves nothing more."""
+    train = ("train", str(project / "run.yaml"), "-o", "training.max_steps=4")
+    resume = ("-o", "checkpoint.resume=latest", "-o", "eval.factory=tiny.py:build_dataset")
+    result = ups(*train, *resume)
     assert result.returncode == 0, result.stderr
     events = [json.loads(line) for line in result.stderr.splitlines()]
     assert events[-1]["event"] == "done" and events[-1]["steps"] == 4
     assert "rank" not in events[-1]  # one process: no rank field
+    run = project / "runs" / "tiny"
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "logs" not in p.parts}
+    assert any(p.parent.name == "checkpoints" for p in files) and (run / "metrics.jsonl") in files
+    again = ups(*train, *resume)
+    assert again.returncode == 0, again.stderr
+    events = [json.loads(line)["event"] for line in again.stderr.splitlines()]
+    assert events[-2:] == ["resumed", "the run is complete at step 4: nothing left to train"]
+    # No new metrics, evaluation or checkpoint.
+    now = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "logs" not in p.parts}
+    assert now == files
 
 
 def test_max_restarts_sets_its_key_and_a_negative_one_is_a_usage_error(project: Path) -> None:
