@@ -216,7 +216,9 @@ def test_proportional_sum_epochs_are_full_passes_and_resume_anywhere_on_the_rest
     taken: Counter[int] = Counter()
     for sampler in first:
         taken.update(itertools.islice(iter(sampler), k))
-    rest = Counter(i for sampler in ranks(new_world, epochs - 1, first[0].state_dict()) for i in sampler)
+    rest = Counter(
+        i for sampler in ranks(new_world, epochs - 1, first[0].state_dict()) for i in sampler
+    )
     left = epoch_samples - taken
     assert not left - rest  # every sample not taken yet, as often as it was left
     assert (rest - left).total() < new_world  # and padding only

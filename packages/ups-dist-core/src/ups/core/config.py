@@ -297,7 +297,7 @@ class _Loader(yaml.SafeLoader):
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": merged keys may be overridden
                 continue
-            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             try:
                 first = lines.get(key)
@@ -309,7 +309,7 @@ class _Loader(yaml.SafeLoader):
                     "keep one"
                 )
             lines[key] = line
-        return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(

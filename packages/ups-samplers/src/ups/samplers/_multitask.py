@@ -126,9 +126,11 @@ class MultiTaskDistributedSampler(EpochSampler):
     length (:func:`mixture`, :func:`epoch_length`), the length rounded to a multiple of the
     ranks (up; down with ``drop_last``, except for ``epoch_size="max"``, which also goes on up
     until every task is seen in full), whole counts by largest remainder, so each is within one
-    of its exact share. Rank ``r`` gets every ``num_replicas``-th sample of the
-    epoch's task-by-task list, so its count of each task is within one of
-    ``count[t] / num_replicas``, and all ranks get the same number. On each rank the tasks are
+    of its exact share. Which samples of a task an epoch reads is its count on one rank
+    (``counts(1)``): the rounding repeats the first of them, or leaves out the last, so that
+    with ``proportional`` and ``sum`` every epoch is one pass over every task. Rank ``r``
+    gets every ``num_replicas``-th sample of the epoch's task-by-task list, so its count of
+    each task is within one of ``count[t] / num_replicas``, and all ranks get the same number. On each rank the tasks are
     interleaved evenly (the largest task spread evenly over the rank's samples, then the next
     over the slots left, and so on; tasks of one count take turns), so any stretch of a rank's
     samples holds every task in proportion: within one with two tasks; we measured at most
