@@ -55,6 +55,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _count(text: str) -> int:
+    """A count of processes or machines: a whole number >= 1 (``--nproc``, ``--nnodes``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
 def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = _Parser(prog="ups", description="DDP training done right, from one YAML file.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -62,7 +73,7 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a config, on --nproc local processes")
     train.add_argument("config", type=Path, help="the run's YAML file")
     train.add_argument(
-        "--nproc", type=int, help="processes on this machine (default: distributed.nproc)"
+        "--nproc", type=_count, help="processes on this machine (default: distributed.nproc)"
     )
     train.add_argument(
         "--profile",
@@ -92,14 +103,14 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         "tune", help="find the largest per-rank batch size that fits on every rank"
     )
     tune.add_argument("config", type=Path)
-    tune.add_argument("--nproc", type=int, help="processes on this machine")
+    tune.add_argument("--nproc", type=_count, help="processes on this machine")
     tune.add_argument("--start", type=int, default=1, help="the first batch size to try")
     tune.add_argument("--limit", type=int, help="the largest to try (default: a rank's data)")
     _overrides(tune)
 
     check = commands.add_parser("validate", help="check a config without training")
     check.add_argument("config", type=Path)
-    check.add_argument("--nproc", type=int, help="check for this many processes")
+    check.add_argument("--nproc", type=_count, help="check for this many processes")
     _overrides(check)
 
     commands.add_parser("plugins", help="list the plugins found and what they provide")
@@ -123,9 +134,9 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         "--launcher", metavar="NAME", help="the launcher plugin (default: the config's launch.name)"
     )
     launch_.add_argument(
-        "--nproc", type=int, help="processes per machine (default: distributed.nproc)"
+        "--nproc", type=_count, help="processes per machine (default: distributed.nproc)"
     )
-    launch_.add_argument("--nnodes", type=int, default=1, help="machines (default: 1)")
+    launch_.add_argument("--nnodes", type=_count, default=1, help="machines (default: 1)")
     launch_.add_argument(
         "--dry-run",
         action="store_true",
@@ -337,10 +348,6 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    if args.nproc is not None and args.nproc < 1:
-        raise UsageError(f"--nproc must be >= 1, not {args.nproc}")
-    if args.nnodes < 1:
-        raise UsageError(f"--nnodes must be >= 1, not {args.nnodes}")
     config = load_config(args.config, args.override)
     name = args.launcher or config.launch.name
     if name is None:

@@ -252,6 +252,8 @@ class Run:
                 if not self.position.epoch_left:
                     set_rng_state(self._resumed.rng, ctx.device)
         check_in_sync(ctx, self.config.digest(), self.step, self.model)
+        if self._resumed is not None and not self._steps_left():
+            return self._complete()
         self.ddp.train()
         reporter = self.reporter
         reporter.restart_clock(self.step)
@@ -291,9 +293,24 @@ class Run:
             preempted=preempted,
         )
 
+    def _steps_left(self) -> bool:
+        """Whether the loop has a step to take: ``max_steps``, the schedule and the epochs
+        leave one (an epoch resumed mid-way counts as not started)."""
+        return self._more_steps() and self.position.epoch < self.config.training.epochs
+
+    def _complete(self) -> TrainResult:
+        """A run resumed where it had ended (restarted after its final save, or run again):
+        nothing to train, evaluate or save; say so."""
+        resumed = self._resumed
+        assert resumed is not None
+        log.info(f"the run is complete at step {self.step}: nothing left to train", step=self.step)
+        return TrainResult(
+            steps=self.step, epochs=self.position.epoch, losses=(), checkpoint=resumed.location
+        )
+
     def _loop(self) -> None:
         """The epochs and their steps, until the data, ``max_steps`` or the schedule ends them."""
-        while self._more_steps() and self.position.epoch < self.config.training.epochs:
+        while self._steps_left():
             if self.loader.batch_sampler.batch_size != self.schedule.batch_size:  # type: ignore[union-attr]
                 # a scheduled batch size, from this epoch on
                 self.loader = self._loader(self.dataset, self.sampler, self.schedule.batch_size)

@@ -54,6 +54,8 @@ class Resumed:
     state starts the epoch over), rather than go on from the sampler's state."""
     rng: dict[str, Any]
     """This rank's generators as they were, to set once the epoch is entered."""
+    location: str
+    """Where the checkpoint was read from."""
 
 
 FORMAT = 1
@@ -224,7 +226,9 @@ class TrainingState:
             epoch_left=left,
             epoch_taken=taken,
         )
-        return Resumed(position=position, replay=replay, rng=(own or state).rng)
+        return Resumed(
+            position=position, replay=replay, rng=(own or state).rng, location=loaded.location
+        )
 
     def _plugin_states(self) -> dict[str, Any]:
         """Every plugin's :func:`~ups.core.hookspecs.ups_checkpoint_state`, by key."""

@@ -5,6 +5,8 @@ Errors raise :class:`~ups.core.errors.ConfigError`; advice comes back as warning
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +59,7 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
             "allowed here: fp32, bf16",
         )
 
+    check_run_dir(config.run_dir)
     nproc = config.distributed.nproc if nproc is None else nproc
     if config.distributed.backend == "nccl" and torch.cuda.device_count() < nproc:
         raise ConfigError(
@@ -73,6 +76,12 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
                     "end only, if at all; set eval.every_steps, or use at_latest_step",
                 )
     warnings = schedule_warnings(config.schedule, max_steps=t.max_steps)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and nproc > cores:
+        warnings.append(
+            f"distributed.nproc: {nproc} processes on {cores} CPU cores oversubscribe them: the "
+            f"ranks slow each other down; at most {cores} on this machine"
+        )
     if nproc > 1 and len(config.data.tasks) > 1 and not sampler.multi_task:
         warnings.append(
             f"sampler.name: {config.sampler.name!r} treats the {len(config.data.tasks)} tasks of "
@@ -88,6 +97,22 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     if nproc == 1 and config.comm_hook.name != "none":
         warnings.append(f"comm_hook.name: {config.comm_hook.name!r} has no effect on one process")
     return warnings
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Check that the run's folder is, or can be made, a folder: its nearest existing
+    ancestor (or itself) must be one.
+
+    :raises ConfigError: naming ``run.output_dir`` and the file in the way.
+    """
+    for path in (run_dir, *run_dir.parents):
+        if path.is_dir():
+            return
+        if path.exists():
+            raise ConfigError(
+                "run.output_dir",
+                f"the run's folder {run_dir} cannot be made: {path} is a file, not a folder",
+            )
 
 
 def select_sampler(
