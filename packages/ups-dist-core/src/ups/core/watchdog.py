@@ -105,10 +105,10 @@ def verdict(posts: Sequence[Post | None], timeout_s: float) -> str | None:
         where = "; ".join(_where(rank, post) for rank, post in enumerate(posts))
         return f"the ranks wait in different collectives: {since}; {where}"
     others = [rank for rank in range(len(posts)) if rank not in behind]
-    collectives = [post.collective for post in map(posts.__getitem__, behind) if post]
-    if len(collectives) == len(behind):
+    waits = [post.collective for r in behind if (post := posts[r]) and post.collective]
+    if len(waits) == len(behind):  # every rank behind waits in a collective
         head = (
-            f"rank {_ranks(behind)} waits in a collective ({', '.join(sorted(set(collectives)))})"
+            f"rank {_ranks(behind)} waits in a collective ({', '.join(sorted(set(waits)))})"
             f" that rank {_ranks(others)} never entered"
         )
     else:
