@@ -99,8 +99,8 @@ def verdict(posts: Sequence[Post | None], timeout_s: float) -> str | None:
     behind = [rank for rank, post in enumerate(posts) if post is None or post.mark < ahead]
     since = f"no progress for {timeout_s:g} s (distributed.timeout_s)"
     if not behind:
-        waits = {post.collective for post in posts if post is not None}
-        if None in waits or len(waits) == 1:
+        collectives = {post.collective for post in posts if post is not None}
+        if None in collectives or len(collectives) == 1:
             return None
         where = "; ".join(_where(rank, post) for rank, post in enumerate(posts))
         return f"the ranks wait in different collectives: {since}; {where}"
