@@ -208,27 +208,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ups: error: {error}", file=sys.stderr)
         return EXIT_FAILED
     except ChildFailedError as error:
-        # Each failed rank, first to fail first: the message its error file holds (see
-        # _train), else how the process ended.
-        for rank, failure in sorted(error.failures.items(), key=lambda f: f[1].timestamp):
-            message = failure.message
-            if isinstance(message, dict):
-                message = message.get("message", "")
-            print(
-                f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}",
-                file=sys.stderr,
-            )
-        # Ranks refused bad input (a usage error: exit 2 in the rank), and any other rank was
-        # stopped by a signal (the launcher ending the job): so does ups.
-        codes = [failure.exitcode for failure in error.failures.values()]
-        usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
-        return EXIT_USAGE if usage else EXIT_FAILED
+        return _failed(error)
     except SignalException as error:
         # The agent was signalled with a signal ranks do not save on: it passed it on to them.
         print(f"ups: stopped by {signal.Signals(error.sigval).name}", file=sys.stderr)
         return 128 + error.sigval
     except KeyboardInterrupt:
         return 130
+
+
+def _failed(error: ChildFailedError, logs_dir: Path | None = None) -> int:
+    """Print one line for each failed rank, first to fail first: the message its error file
+    holds (see :func:`_train`), else how the process ended, and the rank's log file in
+    ``logs_dir``, which holds its traceback, if there is one. Return the exit status."""
+    for rank, failure in sorted(error.failures.items(), key=lambda f: f[1].timestamp):
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        line = f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}"
+        log_file = None if logs_dir is None else logs_dir / f"rank{rank}.jsonl"
+        if log_file is not None and log_file.is_file():
+            line += f" (traceback: {log_file})"
+        print(line, file=sys.stderr)
+    # Ranks refused bad input (a usage error: exit 2 in the rank), and any other rank was
+    # stopped by a signal (the launcher ending the job): so does ups.
+    codes = [failure.exitcode for failure in error.failures.values()]
+    usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
+    return EXIT_USAGE if usage else EXIT_FAILED
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -244,13 +250,28 @@ def _train(args: argparse.Namespace) -> int:
         _check(config, load_plugins(), nproc)
         if nproc > 1:
             return _train_on_processes(args, config, nproc)
-    # record: a launched rank's error goes to the file its elastic agent reads it from.
-    result = record(launch.train_in_place)(config)
+    # record: a launched rank's error goes to the file its elastic agent reads it from, and
+    # the agent's launcher prints it, one line: its traceback is in the rank's log file.
+    try:
+        result = record(launch.train_in_place)(config)
+    except UsageError:
+        raise
+    except Exception:
+        if logs.AGENT_ERROR_FILE not in os.environ:
+            raise
+        return EXIT_FAILED
     assert result is not None  # record returns what it wraps returns, or raises
     # Under an elastic agent a rank exits 0, else the agent would restart it; the agent's
     # process (ups train --nproc) tells the preemption.
     agent = "TORCHELASTIC_RUN_ID" in os.environ
+    if not agent:
+        _where_the_files_are(config)
     return EXIT_PREEMPTED if result.preempted and not agent else EXIT_OK
+
+
+def _where_the_files_are(config: Config) -> None:
+    """The closing line of ``ups train``: the run's folder, and how to plot it."""
+    print(f"ups: the run's files are in {config.run_dir}; plot them: ups report {config.run_dir}")
 
 
 def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) -> int:
@@ -265,6 +286,8 @@ def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) ->
     how = ""
     try:
         launch.torchrun(args.config, nproc, args.override, config.distributed.max_restarts)
+    except ChildFailedError as error:
+        return _failed(error, config.run_dir / "logs")
     except SignalException as error:
         if error.sigval not in preempt or not record.is_file():
             raise
@@ -272,6 +295,7 @@ def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) ->
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    _where_the_files_are(config)
     if not record.is_file():
         return EXIT_OK
     step = json.loads(record.read_text())["step"]

@@ -164,12 +164,14 @@ class Run:
         reduce = config.metrics.reduce if config.metrics is not None else {}
         metrics_key = "metrics.factory" if config.metrics and config.metrics.factory else None
         self.metrics = UserMetrics(reduce, window.tasks, ctx.device, metrics_key or "step.metrics")
-        pinned = bool(self.loader.pin_memory)
-        self.forward = Forward(self.step_fn, ctx, t.precision, self.metrics, pinned=pinned)
         self.restarted = all_max(ctx, ctx.restart_count)
         """How many times the launcher restarted the job (the largest count of any rank: a
         node that joined afresh counts from 0)."""
         self.watchdog = Watchdog(ctx, key=str(self.restarted))
+        pinned = bool(self.loader.pin_memory)
+        self.forward = Forward(
+            self.step_fn, ctx, t.precision, self.metrics, self.watchdog, pinned=pinned
+        )
         self.stepper = Stepper(
             ctx=ctx,
             training=t,

@@ -7,6 +7,7 @@ does the same for any function, for notebooks and scripts (like Accelerate's not
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -140,12 +141,23 @@ def train_here(ctx: RunContext, config: Config) -> TrainResult:
     return engine.train(config, ctx, load_plugins())
 
 
+class _ReportedByUps(logging.Filter):
+    """Drops the agent's lines on a failed rank and on stopping the others: ``ups train``
+    reports each failed rank itself, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
+
+
 def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: int = 0) -> None:
     """Run ``ups train CONFIG`` on ``nproc`` local processes under one elastic agent, which
     restarts every rank after one fails, ``max_restarts`` times at most.
 
     :raises ChildFailedError: when a rank fails (after ``max_restarts`` restarts).
     """
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _ReportedByUps) for f in agent_log.filters):
+        agent_log.addFilter(_ReportedByUps())
     elastic_launch(_launch_config(nproc, max_restarts), sys.executable)(
         *train_args(config, overrides)
     )
