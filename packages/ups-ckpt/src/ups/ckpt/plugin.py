@@ -1,18 +1,23 @@
-"""The ``ups-ckpt`` plugin: registers its checkpoint backends with the ups engine."""
+"""The ``ups-ckpt`` plugin: registers its checkpoint backends with the ups engine.
+
+The backends' modules (and torch) are imported when a backend is built, not with this module.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch.distributed as dist
+from ups.core import CheckpointBackendPlugin, hookimpl
 
-from ups.core import CheckpointBackendPlugin, Checkpointer, RunContext, hookimpl
-from ups.core.records import CheckpointFactory
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
-from .background import InBackground, Locating
-from .local import LocalCheckpointer, LocalCheckpointOptions
-from .remote import FsspecCheckpointer, FsspecCheckpointOptions
+    from ups.core import Checkpointer, RunContext
+    from ups.core.records import CheckpointFactory
+
+    from .background import Locating
 
 
 class _Backend(Protocol):
@@ -33,6 +38,8 @@ def backend(build: _Backend) -> CheckpointFactory:
     (:class:`~ups.ckpt.background.InBackground`) when ``options.async_save``."""
 
     def factory(*, ctx: RunContext, directory: Path, options: Any) -> Checkpointer:
+        from .background import InBackground
+
         def make(group: dist.ProcessGroup | None) -> Locating:
             return build(ctx=ctx, directory=directory, options=options, group=group)
 
@@ -41,25 +48,27 @@ def backend(build: _Backend) -> CheckpointFactory:
     return factory
 
 
-local_backend = backend(LocalCheckpointer)
+def _imported(module: str, name: str) -> _Backend:
+    """The checkpointer class ``name`` of this package's ``module``, imported when a backend is
+    built (the ``sharded`` one's module imports torch.distributed.checkpoint)."""
+
+    def build(**kwargs: Any) -> Locating:
+        built: Locating = getattr(importlib.import_module(module, __package__), name)(**kwargs)
+        return built
+
+    return build
 
 
-def _sharded(
-    *, ctx: RunContext, directory: Path, options: Any, group: dist.ProcessGroup | None = None
-) -> Locating:
-    """A :class:`~ups.ckpt.sharded.ShardedCheckpointer`, its module (and with it
-    torch.distributed.checkpoint) imported only when the ``sharded`` backend is chosen."""
-    from .sharded import ShardedCheckpointer
-
-    return ShardedCheckpointer(ctx=ctx, directory=directory, options=options, group=group)
-
-
-sharded_backend = backend(_sharded)
-fsspec_backend = backend(FsspecCheckpointer)
+local_backend = backend(_imported(".local", "LocalCheckpointer"))
+sharded_backend = backend(_imported(".sharded", "ShardedCheckpointer"))
+fsspec_backend = backend(_imported(".remote", "FsspecCheckpointer"))
 
 
 @hookimpl
 def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
+    from .local import LocalCheckpointOptions
+    from .remote import FsspecCheckpointOptions
+
     return [
         CheckpointBackendPlugin(
             name="local",

@@ -1,17 +1,20 @@
-"""The ``ups-comm-hooks`` plugin: registers the communication hooks of this distribution."""
+"""The ``ups-comm-hooks`` plugin: registers the communication hooks of this distribution.
+
+The hooks' modules (and torch) are imported when the hook is called, not with this module.
+"""
 
 from __future__ import annotations
 
 from ups.core import CommHookPlugin, hookimpl
 
-from ._compress import allreduce, bf16_compression, fp16_compression
-from ._powersgd import PowerSGDOptions, batched_powersgd_compression, powersgd_compression
-from ._topk import TopKOptions, topk_compression
-from ._traffic import HookOptions
-
 
 @hookimpl
 def ups_comm_hooks() -> list[CommHookPlugin]:
+    from ._compress import allreduce, bf16_compression, fp16_compression
+    from ._powersgd import PowerSGDOptions, batched_powersgd_compression, powersgd_compression
+    from ._topk import TopKOptions, topk_compression
+    from ._traffic import HookOptions
+
     return [
         CommHookPlugin(
             name="allreduce",

@@ -1,22 +1,25 @@
 """The built-in plugin (``ups-dist-core``): torch's defaults, so a bare install trains.
 
 Registered like any other plugin, with ``trylast=True`` so a third party can override them.
+Importing it imports no torch (see docs/plugins.md): the hooks and factories import what they
+build from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sized
+from typing import TYPE_CHECKING
 
 import attrs
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DistributedSampler
 
-from .context import RunContext
-from .evaluation import shard_sampler
 from .markers import hookimpl_default
-from .profiling import gradient_bytes
 from .records import CheckpointBackendPlugin, CommHookPlugin, SamplerPlugin
-from .simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DistributedSampler
+
+    from .context import RunContext
 
 
 @attrs.frozen(kw_only=True)
@@ -31,6 +34,8 @@ def torch_sampler(
     dataset: Sized, *, ctx: RunContext, seed: int, options: TorchSamplerOptions
 ) -> DistributedSampler[int]:
     """``torch.utils.data.DistributedSampler`` for this rank."""
+    from torch.utils.data import DistributedSampler
+
     return DistributedSampler(
         dataset,  # type: ignore[arg-type]
         num_replicas=ctx.world_size,
@@ -45,6 +50,8 @@ class DDPAllReduce:
     """The state of the ``none`` hook: DDP's own all-reduce sends every gradient each step."""
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
+        from .profiling import gradient_bytes
+
         self._bytes = float(gradient_bytes(ddp))
 
     def comm_metrics(self, steps: int) -> dict[str, float]:
@@ -59,6 +66,8 @@ def no_comm_hook(ddp: DistributedDataParallel, *, ctx: RunContext, options: obje
 
 @hookimpl_default
 def ups_samplers() -> list[SamplerPlugin]:
+    from .evaluation import shard_sampler
+
     return [
         SamplerPlugin(
             name="torch",
@@ -82,6 +91,8 @@ def ups_comm_hooks() -> list[CommHookPlugin]:
 
 @hookimpl_default
 def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
+    from .simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
+
     return [
         CheckpointBackendPlugin(
             name="simple",

@@ -11,13 +11,15 @@ import argparse
 import re
 from collections.abc import Mapping, Sized
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Sampler
 
-from .context import RunContext
+if TYPE_CHECKING:  # annotations only: describing a plugin imports no torch
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import Sampler
+
+    from .context import RunContext
 
 _NAME = re.compile(r"[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*")
 

@@ -1,16 +1,19 @@
-"""The ``ups-samplers`` plugin: registers the samplers of this distribution with ups."""
+"""The ``ups-samplers`` plugin: registers the samplers of this distribution with ups.
+
+The samplers' modules (and torch) are imported when the hook is called, not with this module.
+"""
 
 from __future__ import annotations
 
 from ups.core import SamplerPlugin, hookimpl
 
-from ._exact import ExactSamplerOptions, exact_sampler
-from ._multitask import MultiTaskSamplerOptions, multitask_sampler
-from ._tensor import TensorSamplerOptions, tensor_sampler
-
 
 @hookimpl
 def ups_samplers() -> list[SamplerPlugin]:
+    from ._exact import ExactSamplerOptions, exact_sampler
+    from ._multitask import MultiTaskSamplerOptions, multitask_sampler
+    from ._tensor import TensorSamplerOptions, tensor_sampler
+
     return [
         SamplerPlugin(
             name="tensor",
