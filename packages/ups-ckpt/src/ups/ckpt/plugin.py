@@ -1,15 +1,16 @@
 """The ``ups-ckpt`` plugin: registers its checkpoint backends with the ups engine.
 
-The backends' modules (and torch) are imported when a backend is built, not with this module.
+The backends' modules (and torch; ``sharded``: torch.distributed.checkpoint) are imported
+when a backend is built, not when listed.
 """
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ups.core import CheckpointBackendPlugin, hookimpl
+from ups.core.lazy import imported
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -48,44 +49,30 @@ def backend(build: _Backend) -> CheckpointFactory:
     return factory
 
 
-def _imported(module: str, name: str) -> _Backend:
-    """The checkpointer class ``name`` of this package's ``module``, imported when a backend is
-    built (the ``sharded`` one's module imports torch.distributed.checkpoint)."""
-
-    def build(**kwargs: Any) -> Locating:
-        built: Locating = getattr(importlib.import_module(module, __package__), name)(**kwargs)
-        return built
-
-    return build
-
-
-local_backend = backend(_imported(".local", "LocalCheckpointer"))
-sharded_backend = backend(_imported(".sharded", "ShardedCheckpointer"))
-fsspec_backend = backend(_imported(".remote", "FsspecCheckpointer"))
+local_backend = backend(imported("ups.ckpt.local:LocalCheckpointer"))
+sharded_backend = backend(imported("ups.ckpt.sharded:ShardedCheckpointer"))
+fsspec_backend = backend(imported("ups.ckpt.remote:FsspecCheckpointer"))
 
 
 @hookimpl
 def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
-    from .local import LocalCheckpointOptions
-    from .remote import FsspecCheckpointOptions
-
     return [
         CheckpointBackendPlugin(
             name="local",
             factory=local_backend,
-            options=LocalCheckpointOptions,
+            options=imported("ups.ckpt.local:LocalCheckpointOptions"),
             description="a folder per checkpoint, per-rank files, committed atomically",
         ),
         CheckpointBackendPlugin(
             name="sharded",
             factory=sharded_backend,
-            options=LocalCheckpointOptions,
+            options=imported("ups.ckpt.local:LocalCheckpointOptions"),
             description="as local, each rank writing its share of the state with torch DCP",
         ),
         CheckpointBackendPlugin(
             name="fsspec",
             factory=fsspec_backend,
-            options=FsspecCheckpointOptions,
+            options=imported("ups.ckpt.remote:FsspecCheckpointOptions"),
             description="S3, GCS, Azure or a path through fsspec, committed by a manifest",
         ),
     ]

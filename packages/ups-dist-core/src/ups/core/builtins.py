@@ -1,8 +1,8 @@
 """The built-in plugin (``ups-dist-core``): torch's defaults, so a bare install trains.
 
 Registered like any other plugin, with ``trylast=True`` so a third party can override them.
-Importing it imports no torch (see docs/plugins.md): the hooks and factories import what they
-build from.
+Importing it, or listing its records, imports no torch (see docs/plugins.md): the factories
+import what they build from, or are named with :func:`~ups.core.lazy.imported`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from .lazy import imported
 from .markers import hookimpl_default
 from .records import CheckpointBackendPlugin, CommHookPlugin, SamplerPlugin
 
@@ -66,8 +67,6 @@ def no_comm_hook(ddp: DistributedDataParallel, *, ctx: RunContext, options: obje
 
 @hookimpl_default
 def ups_samplers() -> list[SamplerPlugin]:
-    from .evaluation import shard_sampler
-
     return [
         SamplerPlugin(
             name="torch",
@@ -77,7 +76,7 @@ def ups_samplers() -> list[SamplerPlugin]:
         ),
         SamplerPlugin(
             name="shard",
-            factory=shard_sampler,
+            factory=imported("ups.core.evaluation:shard_sampler"),
             exact=True,
             description="for evaluation: rank r takes samples r, r+W, ..., each exactly once",
         ),
@@ -91,13 +90,11 @@ def ups_comm_hooks() -> list[CommHookPlugin]:
 
 @hookimpl_default
 def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
-    from .simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
-
     return [
         CheckpointBackendPlugin(
             name="simple",
-            factory=SimpleCheckpointer,
-            options=SimpleCheckpointOptions,
+            factory=imported("ups.core.simple_checkpoint:SimpleCheckpointer"),
+            options=imported("ups.core.simple_checkpoint:SimpleCheckpointOptions"),
             description="one torch.save file per checkpoint, written atomically by rank 0",
         )
     ]

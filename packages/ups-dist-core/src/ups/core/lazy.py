@@ -1,14 +1,16 @@
-"""Names of a package imported when first used (PEP 562), for ``__init__`` modules whose
-public names live in modules that import torch: ``import ups.core`` and a plugin's package then
-cost no torch, so that the commands that do not train answer at once (``ups --help``,
-``plugins``, ``status``).
+"""Imports deferred until a name is used, so that the commands that do not train (``ups
+--help``, ``plugins``, ``status``) import no torch and answer at once.
 
-In a package's ``__init__.py``::
+- :func:`lazy_exports`: a package's public names imported when first read (PEP 562). In a
+  package's ``__init__.py``::
 
-    __getattr__, __dir__ = lazy_exports(__name__, {"Name": ".module", ...})
-    __all__ = ["Name", ...]
+      __getattr__, __dir__ = lazy_exports(__name__, {"Name": ".module", ...})
+      __all__ = ["Name", ...]
 
-with the same names imported under ``if TYPE_CHECKING:`` for type checkers.
+  with the same names imported under ``if TYPE_CHECKING:`` for type checkers.
+- :func:`imported`: a registration record's ``factory`` or ``options`` named by
+  ``"module:name"``, imported when the record is selected (:meth:`ups.core.Registry.get`) or
+  the factory called, not when ``ups plugins`` lists it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+import attrs
+
+T = TypeVar("T")
 
 
 def lazy_exports(
@@ -36,3 +42,34 @@ def lazy_exports(
         return sorted({*vars(sys.modules[package]), *exports})
 
     return getattr_, dir_
+
+
+@attrs.frozen
+class Imported:
+    """``name`` of the module ``module``, imported when used; calling it calls that object."""
+
+    module: str
+    name: str
+
+    def load(self) -> Any:
+        """The object, imported (once: Python keeps the module)."""
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.load()(*args, **kwargs)
+
+
+def imported(spec: str) -> Any:
+    """``"package.module:name"`` as a record's ``factory`` or ``options``, imported when used.
+
+    Typed ``Any`` so that it stands for any factory protocol or options class.
+    """
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{spec!r} is not 'package.module:name'")
+    return Imported(module, name)
+
+
+def resolved(value: T) -> T:
+    """``value``, or what it names if it is :func:`imported`."""
+    return value.load() if isinstance(value, Imported) else value

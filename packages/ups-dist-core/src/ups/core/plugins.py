@@ -24,6 +24,7 @@ import structlog
 
 from . import hookspecs
 from .errors import ConfigError, UsageError, did_you_mean, one_of
+from .lazy import resolved
 from .markers import NAME
 from .records import (
     CheckpointBackendPlugin,
@@ -95,13 +96,16 @@ class Registry:
         return self._records[family]
 
     def get(self, family: Family, name: str, key: str) -> PluginRecord:
-        """The record of ``family`` called ``name``, selected by the config at ``key``.
+        """The record of ``family`` called ``name``, selected by the config at ``key``, its
+        ``factory`` and ``options`` imported if named with :func:`ups.core.lazy.imported`.
 
         :raises ConfigError: naming ``key``, the plugins available, and any that failed to load.
         """
         records = self.records(family)
         if name in records:
-            return records[name].record
+            record = records[name].record  # its factory and options imported now, if lazily
+            lazy = {f: resolved(getattr(record, f)) for f in ("factory", "options")}
+            return attrs.evolve(record, **lazy)
         failed = [p for p in self.plugins if p.status == "failed"]
         note = "".join(
             f"; plugin {p.name!r} ({p.distribution} {p.version}) failed to load: {p.error}"
