@@ -42,21 +42,30 @@ print("torch" in sys.modules, file=sys.stderr)
 
 
 def launched_run(folder: Path) -> Path:
-    """A run record of the ``local`` launcher, for ``ups status`` (its job's folder is empty:
-    the launcher reads it and answers)."""
+    """A run record of the ``local`` launcher, for ``ups status``: a job that succeeded."""
+    from ups.cloud.local import JobRecord
     from ups.core.launch_record import new_record
     from ups.core.records import LaunchRequest
 
+    job = folder / "job"
+    job.mkdir()
+    command = ("python", "-m", "ups.core", "train", "run.yaml")
+    log = str(job / "launch.log")
+    record = JobRecord(
+        name="run", pid=0, proc_start=None, command=command, cwd=str(folder), start_time="", log=log
+    )
+    (job / "job.json").write_text(record.to_json())
+    (job / "exit.json").write_text('{"returncode": 0}')
     request = LaunchRequest(
         config=folder / "run.yaml", nproc_per_node=1, nnodes=1, overrides=(), run_dir=folder
     )
-    (folder / "job").mkdir()
-    return new_record("local", {}, str(folder / "job"), request).write(folder / "runs" / "run")
+    return new_record("local", {}, str(job), request).write(folder / "runs" / "run")
 
 
 def timed(args: list[str], cwd: Path) -> float:
+    """Seconds ``python ARGS`` takes; it must succeed."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, check=False)
+    subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, check=True)
     return time.perf_counter() - start
 
 

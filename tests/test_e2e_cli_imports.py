@@ -1,7 +1,8 @@
 """The commands that do not train import no torch (issue 18, item 8): ``ups --help``,
-``plugins``, ``launch --dry-run`` and ``status`` (through the ``local`` launcher of
-ups-cloud) run with every distribution of packages/ installed, in one fresh interpreter each,
-which then prints whether ``torch`` is in ``sys.modules``."""
+``plugins``, ``launch --dry-run``, ``status``, ``logs`` and ``cancel`` (of a run record of the
+``local`` launcher of ups-cloud, whose job folder the launcher finds empty: one usage error
+after the launcher is built) run with every distribution of packages/ installed, each in a
+fresh interpreter, which then prints whether ``torch`` is in ``sys.modules``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from ups.core.launch_record import new_record
+from ups.core.records import LaunchRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
@@ -51,6 +55,10 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = (ROOT / "examples" / "pde_multitask.yaml").read_text()
     (folder / "run.yaml").write_text(config)
     (folder / "pde_multitask.py").write_text((ROOT / "examples" / "pde_multitask.py").read_text())
+    request = LaunchRequest(
+        config=folder / "run.yaml", nproc_per_node=1, nnodes=1, overrides=(), run_dir=folder
+    )
+    new_record("local", {}, str(folder / "job"), request).write(folder / "runs" / "run")
     return folder
 
 
@@ -60,10 +68,12 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.param(["--help"], id="help"),
         pytest.param(["plugins"], id="plugins"),
         pytest.param(["launch", "run.yaml", "--launcher", "local", "--dry-run"], id="dry-run"),
-        pytest.param(["status", "no-such-run"], id="status"),
+        pytest.param(["status", "runs/run"], id="status"),
+        pytest.param(["logs", "runs/run"], id="logs"),
+        pytest.param(["cancel", "runs/run"], id="cancel"),
     ],
 )
 def test_a_command_that_does_not_train_imports_no_torch(args: list[str], project: Path) -> None:
     status, imported = ups(*args, cwd=project)
-    assert status in (0, 2)  # status of a run never launched: one usage error
+    assert status in (0, 2)  # status, logs, cancel: the job's folder is empty
     assert not imported
