@@ -3,6 +3,10 @@
 :mod:`ups.core.launch_record`), and the commands plugins add (``ups_commands``).
 
 Usage errors (bad config, unknown plugin, missing file) print one line and exit with status 2.
+
+Commands that do not train import neither torch nor the engine (the modules that need torch are
+imported by the commands that use them), so that ``ups --help``, ``plugins``, ``status`` and the
+like answer at once.
 """
 
 from __future__ import annotations
@@ -15,15 +19,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import structlog
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from . import launch, logs
+from . import logs
 from .config import Config, load_config
-from .context import RunContext, launched
 from .errors import UsageError
 from .launch_record import (
     DEFAULT_RUN_DIR,
@@ -37,8 +38,9 @@ from .launch_record import (
 )
 from .plugins import FAMILIES, Registry, load_plugins
 from .records import TERMINAL, CommandPlugin, Launcher, LaunchRequest
-from .rundir import PREEMPTED
-from .validate import validate
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_PREEMPTED = 75
@@ -195,7 +197,7 @@ def _overrides(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ups`` command line; return its exit status."""
-    logs.configure(RunContext())  # until a run knows its rank
+    logs.configure(None)  # until a run knows its rank
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = _parser(argv).parse_args(argv)
@@ -207,14 +209,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LauncherError as error:
         print(f"ups: error: {error}", file=sys.stderr)
         return EXIT_FAILED
-    except ChildFailedError as error:
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:
+        if "torch" not in sys.modules:  # not an error of torch's elastic agent: a bug
+            raise
+        return _agent_failure(error)
+
+
+def _agent_failure(error: Exception) -> int:
+    """The exit status for an error of torch's elastic agent (``ups train --nproc``, or a
+    plugin's command that trains), printed in one line per rank; any other error is raised."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if isinstance(error, ChildFailedError):
         return _failed(error)
-    except SignalException as error:
+    if isinstance(error, SignalException):
         # The agent was signalled with a signal ranks do not save on: it passed it on to them.
         print(f"ups: stopped by {signal.Signals(error.sigval).name}", file=sys.stderr)
         return 128 + error.sigval
-    except KeyboardInterrupt:
-        return 130
+    raise error
 
 
 def _failed(error: ChildFailedError, logs_dir: Path | None = None) -> int:
@@ -238,6 +253,11 @@ def _failed(error: ChildFailedError, logs_dir: Path | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from . import launch
+    from .context import launched
+
     if args.profile is not None:
         args.override.append(f"run.profile_steps={args.profile}")
     if args.allow_changed:
@@ -280,6 +300,12 @@ def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) ->
     ``preempt_signals``); a run whose ranks saved and stopped for one (they exit 0, so that the
     agent does not restart them, and rank 0 leaves ``preempted.json``) exits with
     :data:`EXIT_PREEMPTED`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from . import launch
+    from .rundir import PREEMPTED
+
     preempt = {signal.Signals[name] for name in config.checkpoint.preempt_signals}
     previous = {sig: signal.signal(sig, _raise_signal_exception) for sig in preempt}
     record = config.run_dir / PREEMPTED
@@ -309,12 +335,17 @@ def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) ->
 
 def _raise_signal_exception(signum: int, _frame: object) -> None:
     """What torch's agent does on SIGTERM: raise, so that it passes the signal to the ranks."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     raise SignalException(f"ups got signal {signum}", sigval=signal.Signals(signum))
 
 
 def _tune(args: argparse.Namespace) -> int:
     if args.start < 1 or (args.limit is not None and args.limit < args.start):
         raise UsageError(f"--start ({args.start}) must be >= 1 and --limit >= --start")
+    from . import launch
+    from .context import launched
+
     config = load_config(args.config, args.override)
     nproc = args.nproc or config.distributed.nproc
     if not launched():
@@ -333,6 +364,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _check(config: Config, registry: Registry, nproc: int | None) -> None:
+    from .validate import validate
+
     for warning in validate(config, registry, nproc):
         structlog.get_logger().warning(warning)
 

@@ -13,13 +13,15 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, TextIO, cast
+from typing import TYPE_CHECKING, Literal, TextIO, cast
 
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
-from .context import RunContext
 from .progress import write_line
+
+if TYPE_CHECKING:
+    from .context import RunContext
 
 FORMAT_ENV = "UPS_LOG_FORMAT"
 AGENT_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
@@ -43,8 +45,8 @@ def _level_number(method_name: str) -> int:
 class AddRank:
     """Processor: adds ``rank`` to every event of a multi-process run."""
 
-    def __init__(self, ctx: RunContext) -> None:
-        self._rank = ctx.rank if ctx.world_size > 1 else None
+    def __init__(self, ctx: RunContext | None) -> None:
+        self._rank = ctx.rank if ctx is not None and ctx.world_size > 1 else None
 
     def __call__(self, _logger: WrappedLogger, _name: str, event: EventDict) -> EventDict:
         if self._rank is not None:
@@ -77,8 +79,9 @@ class _Console:
     fatal = failure = err = error = critical = exception = msg
 
 
-def configure(ctx: RunContext, level: str = "info", fmt: Format | None = None) -> None:
+def configure(ctx: RunContext | None, level: str = "info", fmt: Format | None = None) -> None:
     """Send structured logs to stderr: ``level`` and above on rank 0, warnings and above elsewhere.
+    ``ctx`` is ``None`` in a process that is not (yet) a rank: the command line's.
 
     ``fmt``: ``json`` (one object a line), ``console`` (for people), or ``auto``: console on a
     terminal, else JSON. Defaults to ``$UPS_LOG_FORMAT`` or ``auto``.
@@ -87,7 +90,7 @@ def configure(ctx: RunContext, level: str = "info", fmt: Format | None = None) -
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     threshold = _LEVELS[level.upper()]
-    if not ctx.is_main:
+    if ctx is not None and not ctx.is_main:
         threshold = max(threshold, logging.WARNING)
     console = _Console()
     structlog.configure(

@@ -24,6 +24,7 @@ import structlog
 
 from . import hookspecs
 from .errors import ConfigError, UsageError, did_you_mean, one_of
+from .lazy import resolved
 from .markers import NAME
 from .records import (
     CheckpointBackendPlugin,
@@ -104,7 +105,8 @@ class Registry:
     def get(
         self, family: Family, name: str, key: str, offer: Iterable[str] | None = None
     ) -> PluginRecord:
-        """The record of ``family`` called ``name``, selected by the config at ``key``.
+        """The record of ``family`` called ``name``, selected by the config at ``key``, its
+        ``factory`` and ``options`` imported if named with :func:`ups.core.lazy.imported`.
 
         :param offer: the names an error offers, when not every record fits ``key`` (the
             training samplers for ``sampler``); all of the family's by default.
@@ -112,7 +114,9 @@ class Registry:
         """
         records = self.records(family)
         if name in records:
-            return records[name].record
+            record = records[name].record  # its factory and options imported now, if lazily
+            lazy = {f: resolved(getattr(record, f)) for f in ("factory", "options")}
+            return attrs.evolve(record, **lazy)
         available = list(records if offer is None else offer)
         failed = [p for p in self.plugins if p.status == "failed"]
         note = "".join(

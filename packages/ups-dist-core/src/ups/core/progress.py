@@ -13,11 +13,12 @@ import threading
 import time
 import types
 from collections.abc import Mapping
-from typing import NoReturn, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from tqdm import tqdm
 
-from .context import RunContext
+if TYPE_CHECKING:
+    from .context import RunContext
 
 SHOWN = ("loss", "loss/", "val_loss", "samples_per_s")
 """The metrics the bar shows, in this order, when :meth:`Progress.update` is given them:

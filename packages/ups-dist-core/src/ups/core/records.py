@@ -2,7 +2,9 @@
 
 Each family's hook returns an iterable of one record type. A record names its plugin (a short,
 lowercase, unique name the config selects it by), the factory the engine calls, and the attrs
-class its ``options`` mapping in the config is checked against.
+class its ``options`` mapping in the config is checked against. The factory and the options
+class may be named with :func:`ups.core.lazy.imported` (``"package.module:name"``), so that
+listing the records (``ups plugins``) does not import the modules they need (torch).
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ import argparse
 import re
 from collections.abc import Mapping, Sized
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Sampler
 
-from .context import RunContext
+if TYPE_CHECKING:  # annotations only: describing a plugin imports no torch
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import Sampler
+
+    from .context import RunContext
 
 _NAME = re.compile(r"[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*")
 
