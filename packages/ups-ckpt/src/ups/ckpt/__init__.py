@@ -9,7 +9,7 @@ background (:mod:`ups.ckpt.background`).
 
 from typing import TYPE_CHECKING
 
-from ups.core.lazy import lazy_exports
+from ups.core import lazy_exports
 
 if TYPE_CHECKING:
     from .background import InBackground, Stager, stage

@@ -15,7 +15,7 @@ per step next to plain all-reduce's, and with ``profile: true`` each bucket's ti
 
 from typing import TYPE_CHECKING
 
-from ups.core.lazy import lazy_exports
+from ups.core import lazy_exports
 
 if TYPE_CHECKING:
     from ._compress import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .lazy import lazy_exports
+from .lazy import imported, lazy_exports
 from .structure import above, at_least, structure  # eager: ``structure`` is a module's name too
 
 if TYPE_CHECKING:
@@ -128,6 +128,8 @@ __all__ = [
     "fsync_dir",
     "gather_failures",
     "hookimpl",
+    "imported",
+    "lazy_exports",
     "load_config",
     "load_plugins",
     "read_yaml",

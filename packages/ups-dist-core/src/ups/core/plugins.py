@@ -106,7 +106,7 @@ class Registry:
         self, family: Family, name: str, key: str, offer: Iterable[str] | None = None
     ) -> PluginRecord:
         """The record of ``family`` called ``name``, selected by the config at ``key``, its
-        ``factory`` and ``options`` imported if named with :func:`ups.core.lazy.imported`.
+        ``factory`` and ``options`` imported if named with :func:`ups.core.imported`.
 
         :param offer: the names an error offers, when not every record fits ``key`` (the
             training samplers for ``sampler``); all of the family's by default.

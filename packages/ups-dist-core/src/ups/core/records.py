@@ -3,7 +3,7 @@
 Each family's hook returns an iterable of one record type. A record names its plugin (a short,
 lowercase, unique name the config selects it by), the factory the engine calls, and the attrs
 class its ``options`` mapping in the config is checked against. The factory and the options
-class may be named with :func:`ups.core.lazy.imported` (``"package.module:name"``), so that
+class may be named with :func:`ups.core.imported` (``"package.module:name"``), so that
 listing the records (``ups plugins``) does not import the modules they need (torch).
 """
 
