@@ -1,7 +1,10 @@
 """ups-dist-core: the engine of ups — run context, config, training loop, plugin contract, CLI.
 
 Its names are imported when first used (PEP 562), so that ``import ups.core`` (the command line,
-a plugin module) does not import torch until something that needs it is used.
+a plugin module) does not import torch until something that needs it is used, and a hand-written
+loop using its parts (:class:`RunContext` and :func:`distributed_session`, :func:`decide`,
+:class:`LossWindow`, :class:`Preemption`, :class:`Watchdog`) never imports the engine (see
+docs/own-loop.md).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ if TYPE_CHECKING:
         train_args,
     )
     from .markers import hookimpl
+    from .metrics import LossWindow, PendingReport
     from .plugins import Registry, load_plugins
+    from .preemption import Preemption
     from .records import (
         TERMINAL,
         CheckpointBackendPlugin,
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
         TrainResult,
     )
     from .step import Step, StepError
+    from .watchdog import Watchdog
 
 _EXPORTS = {
     "Failure": ".collectives",
@@ -71,6 +77,10 @@ _EXPORTS = {
     "train": ".launch",
     "train_args": ".launch",
     "hookimpl": ".markers",
+    "LossWindow": ".metrics",
+    "PendingReport": ".metrics",
+    "Preemption": ".preemption",
+    "Watchdog": ".watchdog",
     "Registry": ".plugins",
     "load_plugins": ".plugins",
     "CheckpointBackendPlugin": ".records",
@@ -107,7 +117,10 @@ __all__ = [
     "Launcher",
     "LauncherPlugin",
     "Loaded",
+    "LossWindow",
     "NoOptions",
+    "PendingReport",
+    "Preemption",
     "RankFailedError",
     "Registry",
     "RunContext",
@@ -116,6 +129,7 @@ __all__ = [
     "StepError",
     "TrainResult",
     "UsageError",
+    "Watchdog",
     "above",
     "agent_args",
     "agent_exports",

@@ -154,15 +154,16 @@ class Watchdog:
     """Watches this rank's progress through the steps while entered (distributed runs only):
     the thread that enters it is the one watched.
 
-    ``key`` tells this run's marks from another's in the store (the same on every rank: the
-    agreed restart count).
+    ``key`` tells this run's marks from another's in the store (the same on every rank; by
+    default the launcher's restart count, which torchrun gives every rank alike). In a loop of
+    one's own, call :meth:`mark` with the step at the start of each step.
     """
 
-    def __init__(self, ctx: RunContext, key: str) -> None:
+    def __init__(self, ctx: RunContext, key: str | None = None) -> None:
         self.ctx = ctx
         self.timeout_s = ctx.timeout_s
         self._answer_s = (collective_timeout(ctx.timeout_s) - ctx.timeout_s) / 2
-        self._key = key
+        self._key = str(ctx.restart_count) if key is None else key
         self._mark: Mark = (0, DONE)
         self._user: str | None = None
         self._moved = time.monotonic()
@@ -171,7 +172,7 @@ class Watchdog:
         self._watched = threading.get_ident()
         self._round = 0
 
-    def mark(self, step: int, phase: int) -> None:
+    def mark(self, step: int, phase: int = STARTED) -> None:
         """This rank reached ``phase`` of its ``step``-th attempted step (cheap: no I/O)."""
         self._mark, self._moved = (step, phase), time.monotonic()
 
