@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_runs import checkpoint, events, losses, nccl_world_of_one, ups
+
 from ups.core.testing import tiny_project
 
 pytestmark = pytest.mark.gpu
@@ -20,9 +20,7 @@ def train(folder: Path, compile: bool, nccl: bool) -> dict[str, torch.Tensor]:
     config = tiny_project(
         folder, training={"epochs": 2, "compile": compile}, distributed=distributed
     )
-    result = ups(
-        "train", str(config), cwd=folder, env=nccl_world_of_one() if nccl else None
-    )
+    result = ups("train", str(config), cwd=folder, env=nccl_world_of_one() if nccl else None)
     (start,) = events(result, "training")
     assert (start["device"], start["backend"]) == ("cuda:0", "nccl" if nccl else None)
     curve = losses(result)

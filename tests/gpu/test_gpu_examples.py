@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from gpu_runs import BITWISE_KEYS, MULTITASK, OPERATOR, checkpoint, events, losses, ups
+
 from ups.core.testing import assert_bitwise_equal
 
 pytestmark = pytest.mark.gpu

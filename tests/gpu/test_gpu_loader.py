@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_runs import MULTITASK, checkpoint, events, ups
+
 from ups.core import RunContext, load_config, load_plugins
 from ups.core.engine import Run
 from ups.core.testing import assert_bitwise_equal

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_runs import BITWISE_KEYS, checkpoint, events, losses, nccl_world_of_one, ups
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from gpu_runs import BITWISE_KEYS, checkpoint, events, losses, nccl_world_of_one, ups
 from ups.core import CommHookPlugin, distributed_session, load_plugins
 from ups.core.testing import assert_bitwise_equal, tiny_project
 
@@ -129,9 +129,7 @@ def test_ours_16_bit_hooks_equal_torchs_bitwise_on_nccl(name: str) -> None:
         x = torch.randn(64, 256, device=ctx.device) * 10
         for ddp in ddps.values():
             ddp(x).square().mean().backward()
-        for ours, torchs, plain in zip(
-            *(m.parameters() for m in models.values()), strict=True
-        ):
+        for ours, torchs, plain in zip(*(m.parameters() for m in models.values()), strict=True):
             assert ours.grad is not None and torchs.grad is not None and plain.grad is not None
             assert torch.equal(ours.grad, torchs.grad)
             assert torch.equal(ours.grad, plain.grad.to(dtype).float())

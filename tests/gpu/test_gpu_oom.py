@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from gpu_runs import ups
+
 from ups.core.testing import tiny_project
 
 pytestmark = pytest.mark.gpu

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_runs import events, ups
+
 from ups.core.testing import tiny_project
 
 pytestmark = pytest.mark.gpu
@@ -99,9 +99,7 @@ def test_reports_carry_mfu_against_peak_flops_and_the_profile_traces_the_gpu(
     tmp_path: Path,
 ) -> None:
     peak = matmul_flops()
-    config = project(
-        tmp_path, 1024, 8192, 256 * 64, batch_size=256, peak_flops=peak, max_steps=60
-    )
+    config = project(tmp_path, 1024, 8192, 256 * 64, batch_size=256, peak_flops=peak, max_steps=60)
     result = ups("train", str(config), "--profile", "3", "-o", "run.log_every=20", cwd=tmp_path)
     reports = events(result, "step")
     assert len(reports) == 3
