@@ -1,9 +1,11 @@
 """``data.loader.pin_memory`` and non-blocking copies with loader workers, on CUDA: batches come
 out of the workers in pinned memory, and training on them (asynchronous copies) ends bitwise
-equal to training on pageable batches read in the process (synchronous copies)."""
+equal to training on pageable batches read in the process (synchronous copies); the profiler's
+trace shows the copies from pinned memory."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -33,20 +35,29 @@ def test_workers_hand_over_pinned_batches_by_default_on_cuda(tmp_path: Path) -> 
 def test_asynchronous_copies_from_pinned_workers_train_like_synchronous_ones(
     tmp_path: Path,
 ) -> None:
-    def train(name: str, *loader: str) -> dict[str, object]:
+    def train(name: str, *loader: str) -> tuple[dict[str, object], set[str]]:
+        """The final checkpoint of 20 steps, and the names of the host-to-device copies the
+        profiler saw in 2 of them (the profile trains nothing: it times passes, no update)."""
         folder = tmp_path / name
         folder.mkdir()
         result = ups(
             *("train", str(MULTITASK), "--nproc", "1", "-o", f"run.output_dir={folder}"),
-            *("-o", "training.max_steps=20", "-o", "eval=null"),
+            *("-o", "training.max_steps=20", "-o", "eval=null", "--profile", "2"),
             *(arg for option in loader for arg in ("-o", option)),
             cwd=folder,
             deterministic=True,
         )
         assert [e["device"] for e in events(result, "training")] == ["cuda:0"]
-        return checkpoint(folder / "pde-multitask", 20)
+        run = folder / "pde-multitask"
+        trace = json.loads((run / "profile" / "rank0.json").read_text())["traceEvents"]
+        copies = {e["name"] for e in trace if e.get("name", "").startswith("Memcpy HtoD")}
+        return checkpoint(run, 20), copies
 
-    pinned = train("pinned", *WORKERS, "data.loader.pin_memory=true")
-    pageable = train("pageable", "data.loader.num_workers=0", "data.loader.pin_memory=false")
+    pinned, pinned_copies = train("pinned", *WORKERS, "data.loader.pin_memory=true")
+    pageable, pageable_copies = train(
+        "pageable", "data.loader.num_workers=0", "data.loader.pin_memory=false"
+    )
+    assert "Memcpy HtoD (Pinned -> Device)" in pinned_copies
+    assert "Memcpy HtoD (Pinned -> Device)" not in pageable_copies
     for key in ("model", "optimizer", "step", "epoch_left"):
         assert_bitwise_equal(pinned[key], pageable[key], key)
