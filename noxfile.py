@@ -132,6 +132,13 @@ def integration(session: nox.Session) -> None:
     discard(session)
 
 
+CUDA_INFO = """
+import torch
+devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}: {devices or 'no CUDA device'}")
+"""
+
+
 def install_for_cuda(session: nox.Session, *short_names: str) -> None:
     """Install :data:`TORCH` built for CUDA (from :data:`TORCH_INDEX`), then the distributions
     as :func:`install` does (the CUDA build satisfies their torch requirement), and h5py for
@@ -142,13 +149,6 @@ def install_for_cuda(session: nox.Session, *short_names: str) -> None:
     session.run("python", "-c", CUDA_INFO)
 
 
-CUDA_INFO = """
-import torch
-devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}: {devices or 'no CUDA device'}")
-"""
-
-
 @nox.session(default=False)
 def gpu(session: nox.Session) -> None:
     """The GPU suite, tests/gpu, on this machine's CUDA device(s): both examples in bf16 and
@@ -157,18 +157,7 @@ def gpu(session: nox.Session) -> None:
     (docs/gpu.md). Not a default session: ``nox -s gpu``. Without a CUDA device every test is
     skipped for "no CUDA device", and the skips are listed."""
     install_for_cuda(session, *PACKAGES)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-c",
-        "pyproject.toml",
-        "-m",
-        "gpu",
-        "tests/gpu",
-        "-rs",
-        *session.posargs,
-    )
+    pytest(session, "gpu", "-m", "gpu", "tests/gpu", "-rs")
     discard(session)
 
 
