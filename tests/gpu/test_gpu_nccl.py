@@ -28,10 +28,12 @@ HOOKS: dict[str, dict[str, Any]] = {
     "bf16": {},
     "fp16": {},
     "powersgd": {"matrix_approximation_rank": 1, "start_powersgd_iter": 2},
-    "batched_powersgd": {"matrix_approximation_rank": 1, "start_powersgd_iter": 2},
-    "topk": {"ratio": 0.1, "start_iter": 2},
+    # Started later: these two, coarser, make the tiny model's loss rise if started at step 2.
+    "batched_powersgd": {"matrix_approximation_rank": 1, "start_powersgd_iter": 8},
+    "topk": {"ratio": 0.1, "start_iter": 8},
 }
-STEPS, STOP = 16, 7
+STEPS, STOP = 16, 11
+"""The runs' steps, and where the stopped run stops: mid-epoch, every hook compressing."""
 
 
 def train(folder: Path, hook: str, steps: int) -> subprocess.CompletedProcess[str]:
@@ -51,7 +53,7 @@ def train(folder: Path, hook: str, steps: int) -> subprocess.CompletedProcess[st
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Every hook's whole run, and its run stopped at step 7 and resumed."""
+    """Every hook's whole run, and its run stopped at step 11 and resumed."""
     found = {}
     for hook in HOOKS:
         folder = tmp_path_factory.mktemp(hook)
@@ -83,9 +85,7 @@ def test_every_hook_trains_on_nccl_and_resumes_bitwise(
         assert_bitwise_equal(run["final_resumed"][key], run["final"][key], key)
     last = events(run["whole"], "step")[-1]
     assert last["allreduce_bytes"] > 0
-    if hook == "none":
-        assert "comm_bytes" not in last  # DDP's own all-reduce: nothing counts it
-    elif hook == "allreduce":
+    if hook in ("none", "allreduce"):
         assert last["comm_ratio"] == 1
     elif hook in ("bf16", "fp16"):
         assert last["comm_ratio"] == 0.5
