@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ups.core.testing import free_port
+from ups.core.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MULTITASK = ROOT / "examples" / "pde_multitask.yaml"

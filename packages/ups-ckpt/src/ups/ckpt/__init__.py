@@ -7,18 +7,36 @@ pointer); see :mod:`ups.ckpt.local`. Select it in the config with
 background (:mod:`ups.ckpt.background`).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .background import InBackground, Stager, stage
-from .errors import CheckpointError, UnsafeCheckpointError
-from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
-from .manifest import Manifest
-from .remote import FsspecCheckpointer, FsspecCheckpointOptions
-from .retention import expired
-from .serialize import FileRecord
+from ups.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from .background import InBackground, Stager, stage
+    from .errors import CheckpointError, UnsafeCheckpointError
+    from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
+    from .manifest import Manifest
+    from .remote import FsspecCheckpointer, FsspecCheckpointOptions
+    from .retention import expired
+    from .serialize import FileRecord
     from .sharded import ShardedCheckpointer
+
+_EXPORTS = {
+    "InBackground": ".background",
+    "Stager": ".background",
+    "stage": ".background",
+    "CheckpointError": ".errors",
+    "UnsafeCheckpointError": ".errors",
+    "Committed": ".local",
+    "LocalCheckpointer": ".local",
+    "LocalCheckpointOptions": ".local",
+    "Manifest": ".manifest",
+    "FsspecCheckpointer": ".remote",
+    "FsspecCheckpointOptions": ".remote",
+    "expired": ".retention",
+    "FileRecord": ".serialize",
+    "ShardedCheckpointer": ".sharded",
+}
 
 __all__ = [
     "CheckpointError",
@@ -37,12 +55,4 @@ __all__ = [
     "stage",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """``ShardedCheckpointer`` on first use: its module imports torch.distributed.checkpoint,
-    half a second that a run not using ``sharded`` should not pay on every rank."""
-    if name == "ShardedCheckpointer":
-        from .sharded import ShardedCheckpointer
-
-        return ShardedCheckpointer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -13,23 +13,50 @@ Every hook counts the bytes it hands to collectives (:class:`Traffic`); the engi
 per step next to plain all-reduce's, and with ``profile: true`` each bucket's time and bytes.
 """
 
-from ._compress import (
-    CompressionHook,
-    CompressionState,
-    allreduce,
-    bf16_compression,
-    compress_hook,
-    fp16_compression,
-)
-from ._powersgd import (
-    PowerSGDHookState,
-    PowerSGDOptions,
-    batched_powersgd_compression,
-    powersgd_compression,
-    powersgd_hook,
-)
-from ._topk import SparseLayout, TopKOptions, TopKState, topk_compression, topk_hook
-from ._traffic import HookOptions, Traffic, register
+from typing import TYPE_CHECKING
+
+from ups.core.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ._compress import (
+        CompressionHook,
+        CompressionState,
+        allreduce,
+        bf16_compression,
+        compress_hook,
+        fp16_compression,
+    )
+    from ._powersgd import (
+        PowerSGDHookState,
+        PowerSGDOptions,
+        batched_powersgd_compression,
+        powersgd_compression,
+        powersgd_hook,
+    )
+    from ._topk import SparseLayout, TopKOptions, TopKState, topk_compression, topk_hook
+    from ._traffic import HookOptions, Traffic, register
+
+_EXPORTS = {
+    "CompressionHook": "._compress",
+    "CompressionState": "._compress",
+    "allreduce": "._compress",
+    "bf16_compression": "._compress",
+    "compress_hook": "._compress",
+    "fp16_compression": "._compress",
+    "PowerSGDHookState": "._powersgd",
+    "PowerSGDOptions": "._powersgd",
+    "batched_powersgd_compression": "._powersgd",
+    "powersgd_compression": "._powersgd",
+    "powersgd_hook": "._powersgd",
+    "SparseLayout": "._topk",
+    "TopKOptions": "._topk",
+    "TopKState": "._topk",
+    "topk_compression": "._topk",
+    "topk_hook": "._topk",
+    "HookOptions": "._traffic",
+    "Traffic": "._traffic",
+    "register": "._traffic",
+}
 
 __all__ = [
     "CompressionHook",
@@ -52,3 +79,5 @@ __all__ = [
     "topk_compression",
     "topk_hook",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
