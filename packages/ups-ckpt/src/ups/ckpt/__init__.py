@@ -10,19 +10,38 @@ In a loop of one's own, :func:`checkpointer` builds one from a folder or URL and
 docs/own-loop.md).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ._by_path import checkpointer
-from .background import InBackground, Stager, stage
-from .errors import CheckpointError, UnsafeCheckpointError
-from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
-from .manifest import Manifest
-from .remote import FsspecCheckpointer, FsspecCheckpointOptions
-from .retention import expired
-from .serialize import FileRecord
+from ups.core import lazy_exports
 
 if TYPE_CHECKING:
+    from ._by_path import checkpointer
+    from .background import InBackground, Stager, stage
+    from .errors import CheckpointError, UnsafeCheckpointError
+    from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
+    from .manifest import Manifest
+    from .remote import FsspecCheckpointer, FsspecCheckpointOptions
+    from .retention import expired
+    from .serialize import FileRecord
     from .sharded import ShardedCheckpointer
+
+_EXPORTS = {
+    "checkpointer": "._by_path",
+    "InBackground": ".background",
+    "Stager": ".background",
+    "stage": ".background",
+    "CheckpointError": ".errors",
+    "UnsafeCheckpointError": ".errors",
+    "Committed": ".local",
+    "LocalCheckpointer": ".local",
+    "LocalCheckpointOptions": ".local",
+    "Manifest": ".manifest",
+    "FsspecCheckpointer": ".remote",
+    "FsspecCheckpointOptions": ".remote",
+    "expired": ".retention",
+    "FileRecord": ".serialize",
+    "ShardedCheckpointer": ".sharded",
+}
 
 __all__ = [
     "CheckpointError",
@@ -42,12 +61,4 @@ __all__ = [
     "stage",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """``ShardedCheckpointer`` on first use: its module imports torch.distributed.checkpoint,
-    half a second that a run not using ``sharded`` should not pay on every rank."""
-    if name == "ShardedCheckpointer":
-        from .sharded import ShardedCheckpointer
-
-        return ShardedCheckpointer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -36,8 +36,7 @@ import attrs
 import structlog
 import torch.distributed as dist
 
-from ups.core import RunContext, at_least
-from ups.core.files import fsync_dir, write_atomically
+from ups.core import RunContext, at_least, fsync_dir, write_atomically
 
 from ._latest import newest_verified
 from ._protocol import Committing, rank_file

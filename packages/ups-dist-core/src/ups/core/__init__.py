@@ -1,63 +1,114 @@
 """ups-dist-core: the engine of ups — run context, config, training loop, plugin contract, CLI.
 
-The parts a hand-written loop uses (:class:`RunContext` and :func:`distributed_session`,
-:func:`decide`, :class:`LossWindow`, :class:`Preemption`, :class:`Watchdog`) import without the
-engine: ``TrainResult``, ``train``, ``run_processes``, ``Registry`` and ``load_plugins`` load it
-on first use (see docs/own-loop.md).
+Its names are imported when first used (PEP 562), so that ``import ups.core`` (the command line,
+a plugin module) does not import torch until something that needs it is used, and a hand-written
+loop using its parts (:class:`RunContext` and :func:`distributed_session`, :func:`decide`,
+:class:`LossWindow`, :class:`Preemption`, :class:`Watchdog`) never imports the engine (see
+docs/own-loop.md).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from __future__ import annotations
 
-from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
-from .config import Config, config_from_mapping, load_config, read_yaml
-from .context import RunContext, distributed_session
-from .errors import ConfigError, UsageError
-from .markers import hookimpl
-from .metrics import LossWindow, PendingReport
-from .preemption import Preemption
-from .records import (
-    TERMINAL,
-    CheckpointBackendPlugin,
-    Checkpointer,
-    CommandPlugin,
-    CommHookPlugin,
-    Launcher,
-    LauncherPlugin,
-    LaunchRequest,
-    Loaded,
-    NoOptions,
-    SamplerPlugin,
-)
-from .step import Step, StepError
-from .structure import above, at_least, structure
-from .watchdog import Watchdog
+from typing import TYPE_CHECKING
+
+from .lazy import imported, lazy_exports, resolved
+from .structure import above, at_least, structure  # eager: ``structure`` is a module's name too
 
 if TYPE_CHECKING:
-    from .engine import TrainResult
-    from .launch import run_processes, train
+    from .cli import EXIT_PREEMPTED
+    from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
+    from .config import Config, config_from_mapping, load_config, read_yaml
+    from .context import RunContext, distributed_session
+    from .errors import ConfigError, UsageError, did_you_mean, one_of
+    from .files import fsync_dir, write_atomically
+    from .launch import (
+        AGENT_ENV,
+        agent_args,
+        agent_exports,
+        free_port,
+        run_processes,
+        train,
+        train_args,
+    )
+    from .markers import hookimpl
+    from .metrics import LossWindow, PendingReport
     from .plugins import Registry, load_plugins
+    from .preemption import Preemption
+    from .records import (
+        TERMINAL,
+        CheckpointBackendPlugin,
+        Checkpointer,
+        CheckpointFactory,
+        CommandPlugin,
+        CommHookPlugin,
+        Launcher,
+        LauncherPlugin,
+        LaunchRequest,
+        Loaded,
+        NoOptions,
+        SamplerPlugin,
+        TrainResult,
+    )
+    from .step import Step, StepError
+    from .watchdog import Watchdog
 
-_LAZY = {
-    "TrainResult": "engine",
-    "run_processes": "launch",
-    "train": "launch",
-    "Registry": "plugins",
-    "load_plugins": "plugins",
+_EXPORTS = {
+    "Failure": ".collectives",
+    "RankFailedError": ".collectives",
+    "all_mean": ".collectives",
+    "decide": ".collectives",
+    "gather_failures": ".collectives",
+    "Config": ".config",
+    "config_from_mapping": ".config",
+    "load_config": ".config",
+    "read_yaml": ".config",
+    "RunContext": ".context",
+    "distributed_session": ".context",
+    "EXIT_PREEMPTED": ".cli",
+    "ConfigError": ".errors",
+    "UsageError": ".errors",
+    "did_you_mean": ".errors",
+    "one_of": ".errors",
+    "fsync_dir": ".files",
+    "write_atomically": ".files",
+    "AGENT_ENV": ".launch",
+    "agent_args": ".launch",
+    "agent_exports": ".launch",
+    "free_port": ".launch",
+    "run_processes": ".launch",
+    "train": ".launch",
+    "train_args": ".launch",
+    "hookimpl": ".markers",
+    "LossWindow": ".metrics",
+    "PendingReport": ".metrics",
+    "Preemption": ".preemption",
+    "Watchdog": ".watchdog",
+    "Registry": ".plugins",
+    "load_plugins": ".plugins",
+    "CheckpointBackendPlugin": ".records",
+    "Checkpointer": ".records",
+    "CheckpointFactory": ".records",
+    "CommHookPlugin": ".records",
+    "CommandPlugin": ".records",
+    "LaunchRequest": ".records",
+    "Launcher": ".records",
+    "LauncherPlugin": ".records",
+    "Loaded": ".records",
+    "NoOptions": ".records",
+    "SamplerPlugin": ".records",
+    "TERMINAL": ".records",
+    "TrainResult": ".records",
+    "Step": ".step",
+    "StepError": ".step",
 }
-"""Names whose modules import the engine: loaded when first asked for, so that a loop of its own
-using the parts above never imports it."""
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+"""Each public name and the module of this package that defines it."""
 
 __all__ = [
+    "AGENT_ENV",
+    "EXIT_PREEMPTED",
     "TERMINAL",
     "CheckpointBackendPlugin",
+    "CheckpointFactory",
     "Checkpointer",
     "CommandPlugin",
     "CommHookPlugin",
@@ -82,17 +133,30 @@ __all__ = [
     "UsageError",
     "Watchdog",
     "above",
+    "agent_args",
+    "agent_exports",
     "all_mean",
     "at_least",
     "config_from_mapping",
     "decide",
+    "did_you_mean",
     "distributed_session",
+    "free_port",
+    "fsync_dir",
     "gather_failures",
     "hookimpl",
+    "imported",
+    "lazy_exports",
     "load_config",
     "load_plugins",
+    "one_of",
     "read_yaml",
+    "resolved",
     "run_processes",
     "structure",
     "train",
+    "train_args",
+    "write_atomically",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
