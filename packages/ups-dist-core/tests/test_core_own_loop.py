@@ -15,8 +15,10 @@ import torch
 from ups.core import ConfigError, LossWindow, Preemption, RunContext, Watchdog, decide
 from ups.core.testing import run_ranks
 
-ENGINE = ("ups.core.engine", "ups.core.launch", "ups.core.plugins", "ups.core.stepping")
-"""Modules only ``ups train`` needs."""
+ENGINE = ("ups.core.engine", "ups.core.stepping", "ups.core.resume")
+"""Modules only the engine needs (the ranks here run under ``ups.core.testing``, which imports
+``ups.core.launch`` for ``free_port``; tests/test_own_loop_imports.py checks a user's process,
+which imports neither)."""
 
 
 def _loop(ctx: RunContext) -> dict[str, Any]:
