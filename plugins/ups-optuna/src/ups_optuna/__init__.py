@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING
 
-from ups.core.lazy import lazy_exports
+from ups.core import lazy_exports
 
 if TYPE_CHECKING:
     from .space import Objective, Param, Pruning, Sweep, parse_sweep

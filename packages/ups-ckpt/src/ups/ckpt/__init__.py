@@ -5,13 +5,17 @@ atomically (a ``COMMIT`` manifest with each file's size and CRC-32, a rename, a 
 pointer); see :mod:`ups.ckpt.local`. Select it in the config with
 ``checkpoint: {name: local, options: {keep_last: 3}}``; ``async_save: true`` writes in the
 background (:mod:`ups.ckpt.background`).
+
+In a loop of one's own, :func:`checkpointer` builds one from a folder or URL and options (see
+docs/own-loop.md).
 """
 
 from typing import TYPE_CHECKING
 
-from ups.core.lazy import lazy_exports
+from ups.core import lazy_exports
 
 if TYPE_CHECKING:
+    from ._by_path import checkpointer
     from .background import InBackground, Stager, stage
     from .errors import CheckpointError, UnsafeCheckpointError
     from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
@@ -22,6 +26,7 @@ if TYPE_CHECKING:
     from .sharded import ShardedCheckpointer
 
 _EXPORTS = {
+    "checkpointer": "._by_path",
     "InBackground": ".background",
     "Stager": ".background",
     "stage": ".background",
@@ -51,6 +56,7 @@ __all__ = [
     "ShardedCheckpointer",
     "Stager",
     "UnsafeCheckpointError",
+    "checkpointer",
     "expired",
     "stage",
 ]

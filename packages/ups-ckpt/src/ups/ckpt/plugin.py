@@ -9,14 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ups.core import CheckpointBackendPlugin, hookimpl
-from ups.core.lazy import imported
+from ups.core import CheckpointBackendPlugin, hookimpl, imported
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from ups.core import Checkpointer, RunContext
-    from ups.core.records import CheckpointFactory
+    from ups.core import Checkpointer, CheckpointFactory, RunContext
 
     from .background import Locating
 

@@ -39,10 +39,18 @@ from typing import Any, Literal
 import attrs
 import structlog
 
-from ups.core import LaunchRequest, UsageError, above
-from ups.core.config import Config, load_config
-from ups.core.files import write_atomically
-from ups.core.launch import AGENT_ENV, agent_args, train_args
+from ups.core import (
+    AGENT_ENV,
+    Config,
+    LaunchRequest,
+    UsageError,
+    above,
+    agent_args,
+    free_port,
+    load_config,
+    train_args,
+    write_atomically,
+)
 
 from . import _procs
 from ._runner import EXIT_FILE, LOG_FILE
@@ -258,8 +266,6 @@ class LocalLauncher:
         nproc = ["--nproc-per-node", str(request.nproc_per_node)]
         if request.nnodes == 1:
             return [*torchrun, "--standalone", *nproc, *train]
-        from ups.core.testing import free_port  # imports torch: only to start a job
-
         port = self.options.rdzv_port or free_port()
         lines = [
             f"# {request.nnodes} local nodes of {request.nproc_per_node} processes, "

@@ -5,8 +5,7 @@ A launcher's module is imported when the launcher is selected, not when listed.
 
 from __future__ import annotations
 
-from ups.core import LauncherPlugin, hookimpl
-from ups.core.lazy import imported
+from ups.core import LauncherPlugin, hookimpl, imported
 
 
 @hookimpl

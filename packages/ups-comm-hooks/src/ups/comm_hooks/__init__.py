@@ -11,13 +11,17 @@
 
 Every hook counts the bytes it hands to collectives (:class:`Traffic`); the engine reports them
 per step next to plain all-reduce's, and with ``profile: true`` each bucket's time and bytes.
+
+In a loop of one's own, :func:`register_hook` registers a hook by name on a DDP model and returns
+its state (see docs/own-loop.md).
 """
 
 from typing import TYPE_CHECKING
 
-from ups.core.lazy import lazy_exports
+from ups.core import lazy_exports
 
 if TYPE_CHECKING:
+    from ._by_name import register_hook
     from ._compress import (
         CompressionHook,
         CompressionState,
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
     from ._traffic import HookOptions, Traffic, register
 
 _EXPORTS = {
+    "register_hook": "._by_name",
     "CompressionHook": "._compress",
     "CompressionState": "._compress",
     "allreduce": "._compress",
@@ -76,6 +81,7 @@ __all__ = [
     "powersgd_compression",
     "powersgd_hook",
     "register",
+    "register_hook",
     "topk_compression",
     "topk_hook",
 ]

@@ -5,8 +5,7 @@ The hooks' modules (and torch) are imported when a hook is selected, not when li
 
 from __future__ import annotations
 
-from ups.core import CommHookPlugin, hookimpl
-from ups.core.lazy import imported
+from ups.core import CommHookPlugin, hookimpl, imported
 
 
 @hookimpl

@@ -2,7 +2,7 @@
 
 Registered like any other plugin, with ``trylast=True`` so a third party can override them.
 Importing it, or listing its records, imports no torch (see docs/plugins.md): the factories
-import what they build from, or are named with :func:`~ups.core.lazy.imported`.
+import what they build from, or are named with :func:`~ups.core.imported`.
 """
 
 from __future__ import annotations

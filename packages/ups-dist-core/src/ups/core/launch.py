@@ -7,7 +7,9 @@ does the same for any function, for notebooks and scripts (like Accelerate's not
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -23,11 +25,11 @@ from .config import (
     load_config,
 )
 from .plugins import load_plugins
+from .records import TrainResult
 
 if TYPE_CHECKING:  # the launcher plugins build command lines with this module: no torch
     from torch.distributed.launcher.api import LaunchConfig
 
-    from . import engine
     from .context import RunContext
 
 T = TypeVar("T")
@@ -103,7 +105,7 @@ def train(
     *,
     nproc: int | None = None,
     overrides: Iterable[str] = (),
-) -> engine.TrainResult:
+) -> TrainResult:
     """Train a config (a file, a mapping or a :class:`Config`) on ``nproc`` local processes.
 
     ``nproc`` defaults to ``distributed.nproc``; ``overrides`` (``key.path=value``) apply to a
@@ -129,7 +131,7 @@ def train(
     )
 
 
-def train_in_place(config: Config) -> engine.TrainResult:
+def train_in_place(config: Config) -> TrainResult:
     """Join the process group this process's environment describes, and train ``config``."""
     return _worker(train_here, (config,), config.distributed)
 
@@ -146,11 +148,19 @@ def tune(config: Config, *, nproc: int, start: int = 1, limit: int | None = None
     return run_processes(tune_here, *args, nproc=nproc, distributed=config.distributed)
 
 
-def train_here(ctx: RunContext, config: Config) -> engine.TrainResult:
+def train_here(ctx: RunContext, config: Config) -> TrainResult:
     """Train ``config`` in this process, as this rank of the process group ``ctx`` describes."""
     from . import engine
 
     return engine.train(config, ctx, load_plugins())
+
+
+class _ReportedByUps(logging.Filter):
+    """Drops the agent's lines on a failed rank and on stopping the others: ``ups train``
+    reports each failed rank itself, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
 
 
 def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: int = 0) -> None:
@@ -161,9 +171,19 @@ def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: i
     """
     from torch.distributed.launcher.api import elastic_launch
 
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _ReportedByUps) for f in agent_log.filters):
+        agent_log.addFilter(_ReportedByUps())
     elastic_launch(_launch_config(nproc, max_restarts), sys.executable)(
         *train_args(config, overrides)
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def train_args(config: Path, overrides: Iterable[str]) -> list[str]:

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from .context import RunContext
 
 FORMAT_ENV = "UPS_LOG_FORMAT"
+AGENT_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+"""Set in a rank's environment by an elastic agent: where the rank leaves its error, which the
+agent's launcher (``ups train --nproc``, torchrun) prints."""
 Format = Literal["auto", "json", "console"]
 
 _LEVELS = logging.getLevelNamesMapping()
@@ -120,22 +123,35 @@ class _RankFile:
 
     def __call__(self, logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
         if _level_number(name) >= logging.INFO:
-            record: EventDict = dict(event)
-            record.setdefault("level", _level_name(name))
-            record.setdefault("rank", self._rank)
-            if "timestamp" not in record:
-                record = self._stamp(logger, name, record)
-            record = structlog.processors.format_exc_info(logger, name, record)
-            line = cast(str, self._render(logger, name, record))  # json.dumps gives a str
-            with self._lock:
-                self._stream.write(f"{line}\n")
+            self.write(name, event)
         return event
+
+    def write(self, name: str, event: EventDict) -> None:
+        """Append ``event``, logged by the method ``name``, as one line."""
+        record: EventDict = dict(event)
+        record.setdefault("level", _level_name(name))
+        record.setdefault("rank", self._rank)
+        if "timestamp" not in record:
+            record = self._stamp(None, name, record)
+        record = structlog.processors.format_exc_info(None, name, record)
+        line = cast(str, self._render(None, name, record))  # json.dumps gives a str
+        with self._lock:
+            self._stream.write(f"{line}\n")
+
+
+def to_file(level: str, event: str, **fields: object) -> None:
+    """Log ``event`` at ``level`` to this rank's log file only (:func:`rank_log_file`), not to
+    the console: what a person reads elsewhere (a traceback, a record the progress bar shows)."""
+    for processor in structlog.get_config()["processors"]:
+        if isinstance(processor, _RankFile):
+            processor.write(level, {"event": event, **fields})
 
 
 @contextlib.contextmanager
 def rank_log_file(ctx: RunContext, run_dir: Path) -> Iterator[Path]:
     """While open, also append every event of this rank at info and above, whatever its console
-    shows, to ``run_dir/logs/rank<rank>.jsonl`` (one JSON object a line); yield that path.
+    shows, to ``run_dir/logs/rank<rank>.jsonl`` (one JSON object a line); yield that path. An
+    exception that leaves the block is written there too, with its traceback (``failed``).
 
     The file joins the structlog configuration in effect (normally :func:`configure`'s, so call
     that first) just before its console level filter, or else before its renderer, and leaves
@@ -152,5 +168,8 @@ def rank_log_file(ctx: RunContext, run_dir: Path) -> Iterator[Path]:
         processors.insert(filters[0] if filters else max(0, len(processors) - 1), tee)
         try:
             yield path
+        except BaseException as error:
+            tee.write("error", {"event": "failed", "error": repr(error), "exc_info": error})
+            raise
         finally:
             processors.remove(tee)

@@ -12,7 +12,7 @@ All three resume mid-epoch from ``state_dict()``, on as many ranks or on another
 
 from typing import TYPE_CHECKING
 
-from ups.core.lazy import lazy_exports
+from ups.core import lazy_exports
 
 if TYPE_CHECKING:
     from ._exact import ExactDistributedSampler, ExactSamplerOptions, exact_sampler

@@ -5,8 +5,7 @@ The samplers' modules (and torch) are imported when a sampler is selected, not w
 
 from __future__ import annotations
 
-from ups.core import SamplerPlugin, hookimpl
-from ups.core.lazy import imported
+from ups.core import SamplerPlugin, hookimpl, imported
 
 
 @hookimpl
