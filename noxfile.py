@@ -227,3 +227,15 @@ def bench_pipeline(session: nox.Session) -> None:
     install(session, "core")
     session.install("-c", str(CONSTRAINTS), "h5py")
     session.run("python", "benchmarks/bench_pipeline.py", *session.posargs)
+
+
+@nox.session(name="bench_cli", default=False)
+def bench_cli(session: nox.Session) -> None:
+    """Benchmark how fast ``ups`` answers when it does not train (``--help``, ``status``,
+    ``plugins``) beside ``python -c pass`` and ``import torch``, with every distribution of
+    packages/ and the plugins ups-tensorboard and ups-optuna installed (ups-blocks, the one-file
+    example of docs/plugins.md, imports torch with its module); see benchmarks/README.md. Not a
+    default session: ``nox -s bench_cli``; ``-- --repeats 9`` for more runs."""
+    install(session, *PACKAGES)
+    session.install("-c", str(CONSTRAINTS), "./plugins/ups-tensorboard", "./plugins/ups-optuna")
+    session.run("python", "benchmarks/bench_cli.py", *session.posargs)

@@ -3,8 +3,11 @@ out-of-memory step is skipped by all, any other error stops all, naming the rank
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +24,11 @@ def outcome(ctx: RunContext, config_path: Path) -> tuple[str, str]:
     except Exception as error:
         return type(error).__name__, str(error)
     return "ok", str(result.steps)
+
+
+def events(log_file: Path) -> list[dict[str, Any]]:
+    """The events of a rank's log file."""
+    return [json.loads(line) for line in log_file.read_text().splitlines()]
 
 
 def test_fault_specs_parse_and_bad_ones_name_the_item() -> None:
@@ -124,8 +132,60 @@ def test_the_cli_names_the_failed_rank_and_its_error(
     assert run.returncode == 1
     error = "RuntimeError: injected error (injected by UPS_FAULTS on rank 1 at step 2)"
     failed = [line for line in run.stderr.splitlines() if line.startswith("ups: rank ")]
-    assert f"ups: rank 1 failed: {error}" in failed
+    log_file = tmp_path / "runs" / "tiny" / "logs" / "rank1.jsonl"
+    assert f"ups: rank 1 failed: {error} (traceback: {log_file})" in failed
+    assert "Traceback" not in run.stderr  # rank 1's is in its log file:
+    (failure,) = [e for e in events(log_file) if e["event"] == "failed"]
+    assert failure["exception"].startswith("Traceback") and error in failure["exception"]
     if skip_oom == "true":  # agreed on: rank 0 names rank 1 too
-        assert f"ups: rank 0 failed: RankFailedError: step 2: rank 1: {error}" in failed
+        rank0 = f"ups: rank 0 failed: RankFailedError: step 2: rank 1: {error}"
+        assert f"{rank0} (traceback: {log_file.with_name('rank0.jsonl')})" in failed
     # auto, on CPU ranks: no agreement; rank 0 fails in its next collective, or the agent
     # stops it, promptly either way (run_ups has a timeout)
+
+
+BARRIER_METRICS = """
+import torch.distributed as dist
+
+
+def build(at):
+    calls = []
+
+    def metrics(outputs, targets):
+        calls.append(1)
+        if len(calls) == at and dist.get_rank() == 0:
+            dist.barrier()  # rank 1 never enters it
+        return {}
+
+    return metrics
+"""
+
+
+@pytest.mark.slow
+def test_a_collective_entered_by_one_rank_is_one_line_per_rank_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "barrier_metrics.py").write_text(BARRIER_METRICS)
+    config = tiny_project(
+        tmp_path,
+        metrics={"factory": "barrier_metrics.py:build", "options": {"at": 3}},
+        distributed={"timeout_s": 2},
+    )
+    run = run_ups("train", str(config), "--nproc", "2", timeout=60)
+    assert run.returncode == 1
+    logs = tmp_path / "runs" / "tiny" / "logs"
+    verdict = (
+        "HangError: rank 0 waits in a collective (barrier) that rank 1 never entered: no "
+        "progress for 2 s (distributed.timeout_s); rank 0 is after the forward pass of step 3, "
+        "in user code called from metrics.factory, in barrier, while rank 1 waited in the "
+        "backward pass of step 3"
+    )
+    failed = sorted(line for line in run.stderr.splitlines() if line.startswith("ups: rank"))
+    assert failed == [
+        f"ups: rank {rank} failed: {verdict} (traceback: {logs / f'rank{rank}.jsonl'})"
+        for rank in (0, 1)
+    ], run.stderr[-3000:]
+    # Nothing else but the JSON log, and torch's C++ warnings, if any: no traceback
+    other = [line for line in run.stderr.splitlines() if not line.startswith(("{", "ups: rank"))]
+    assert all(re.match(r"\[rank\d\]:\[W", line) for line in other), run.stderr[-3000:]
+    stuck = [e for e in events(logs / "rank0.jsonl") if e["event"] == "ranks stopped answering"]
+    assert stuck[0]["error"] == verdict.removeprefix("HangError: ")
+    assert "dist.barrier()" in stuck[0]["stack"]  # where rank 0 waits, in the user's code

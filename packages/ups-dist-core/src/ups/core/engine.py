@@ -39,7 +39,7 @@ from .plugins import Registry
 from .preemption import Preemption
 from .profiling import CommCounter, StepProfiler, comm_profile, model_counts
 from .progress import Progress
-from .records import Checkpointer
+from .records import Checkpointer, TrainResult
 from .reporting import Reporter
 from .resume import Position, Resumed, TrainingState
 from .rng import seed_all, set_rng_state
@@ -52,27 +52,6 @@ from .validate import select_sampler
 from .watchdog import FORWARD, FORWARD_DONE, Watchdog
 
 log = structlog.get_logger()
-
-
-@attrs.frozen(kw_only=True)
-class TrainResult:
-    """What a run leaves behind; the same on every rank."""
-
-    steps: int
-    """Optimizer steps taken."""
-    epochs: int
-    """Epochs started."""
-    losses: tuple[float, ...]
-    """The training loss at each report, averaged over the interval and over all ranks."""
-    checkpoint: str | None
-    """Where the final checkpoint went."""
-    preempted: bool = False
-    """Whether a signal stopped the run early (saved where it stopped, to resume)."""
-    metrics: tuple[dict[str, float], ...] = ()
-    """Every report's metrics (``loss``, ``loss/<task>``, ``grad_norm``, ``lr``,
-    ``samples_per_s``, ``oom_skipped``, user metrics, ...)."""
-    eval_metrics: tuple[dict[str, float], ...] = ()
-    """Every evaluation's metrics, over the whole evaluation set (``loss``, ``loss/<task>``)."""
 
 
 def build_model(config: Config) -> nn.Module:
@@ -185,12 +164,14 @@ class Run:
         reduce = config.metrics.reduce if config.metrics is not None else {}
         metrics_key = "metrics.factory" if config.metrics and config.metrics.factory else None
         self.metrics = UserMetrics(reduce, window.tasks, ctx.device, metrics_key or "step.metrics")
-        pinned = bool(self.loader.pin_memory)
-        self.forward = Forward(self.step_fn, ctx, t.precision, self.metrics, pinned=pinned)
         self.restarted = all_max(ctx, ctx.restart_count)
         """How many times the launcher restarted the job (the largest count of any rank: a
         node that joined afresh counts from 0)."""
         self.watchdog = Watchdog(ctx, key=str(self.restarted))
+        pinned = bool(self.loader.pin_memory)
+        self.forward = Forward(
+            self.step_fn, ctx, t.precision, self.metrics, self.watchdog, pinned=pinned
+        )
         self.stepper = Stepper(
             ctx=ctx,
             training=t,

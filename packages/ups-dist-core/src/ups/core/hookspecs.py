@@ -23,13 +23,13 @@ from .markers import hookspec
 if TYPE_CHECKING:
     from .config import Config
     from .context import RunContext
-    from .engine import TrainResult
     from .records import (
         CheckpointBackendPlugin,
         CommandPlugin,
         CommHookPlugin,
         LauncherPlugin,
         SamplerPlugin,
+        TrainResult,
     )
 
 # ---------------------------------------------------------------------------------------------

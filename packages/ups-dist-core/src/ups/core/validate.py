@@ -6,7 +6,6 @@ Errors raise :class:`~ups.core.errors.ConfigError`; advice comes back as warning
 from __future__ import annotations
 
 import os
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -125,18 +124,18 @@ def select_sampler(
 
     :raises ConfigError: naming ``key``, for an unknown sampler or one of the other kind.
     """
+    fits = sorted(
+        name
+        for name, provided in registry.records("sampler").items()
+        if isinstance(provided.record, SamplerPlugin) and provided.record.exact == exact
+    )
+    registry.get("sampler", choice.name, f"{key}.name", offer=fits)  # an unknown name
     record, options = registry.select("sampler", choice.name, choice.options, key)
-    assert isinstance(record, SamplerPlugin)
     if record.exact != exact:
         kind = (
             "gives every sample to one rank, so ranks may take different numbers of steps"
             if record.exact
             else "pads the ranks' shares to one length, so some samples would count twice"
-        )
-        fits = sorted(
-            name
-            for name, provided in registry.records("sampler").items()
-            if typing.cast(SamplerPlugin, provided.record).exact == exact
         )
         raise ConfigError(
             f"{key}.name",
