@@ -21,6 +21,10 @@ import tomllib
 ROOT = Path(__file__).parent
 REPORTS = ROOT / ".nox-reports"
 TORCH = "torch==2.13.0"
+TORCH_INDEX = os.environ.get("UPS_TORCH_INDEX", "https://download.pytorch.org/whl/cu128")
+"""Where ``nox -s gpu`` and ``nox -s bench_gpu`` get :data:`TORCH` built for CUDA: PyTorch's
+own index of CUDA 12.8 wheels, unless ``UPS_TORCH_INDEX`` names another (``.../whl/cu126``
+for an older driver, ``https://pypi.org/simple`` for PyPI's wheel, which is CUDA 12 too)."""
 PACKAGES = {
     "core": "ups-dist-core",
     "samplers": "ups-samplers",
@@ -124,9 +128,41 @@ def integration(session: nox.Session) -> None:
     what the neural-operator example (examples/pde_operator) reads its data with."""
     install(session, *PACKAGES)
     session.install("-c", str(CONSTRAINTS), "h5py")
-    pytest(session, "integration", "tests", *(f"--ignore={t}" for t in DOCS_TESTS))
+    # tests/gpu is the GPU suite (nox -s gpu); tests/test_gpu_suite.py checks here that it
+    # collects and skips every test for "no CUDA device".
+    ignored = (*DOCS_TESTS, "tests/gpu")
+    pytest(session, "integration", "tests", *(f"--ignore={t}" for t in ignored))
     session.install(TOOLS["mypy"], "types-PyYAML", "types-tqdm")
     session.run("mypy", *(f"packages/{d}/src" for d in PACKAGES.values()))
+    discard(session)
+
+
+CUDA_INFO = """
+import torch
+devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}: {devices or 'no CUDA device'}")
+"""
+
+
+def install_for_cuda(session: nox.Session, *short_names: str) -> None:
+    """Install :data:`TORCH` built for CUDA (from :data:`TORCH_INDEX`), then the distributions
+    as :func:`install` does (the CUDA build satisfies their torch requirement), and h5py for
+    the operator example; print what torch sees."""
+    session.install("--index-url", TORCH_INDEX, TORCH)
+    install(session, *short_names)
+    session.install("-c", str(CONSTRAINTS), "h5py")
+    session.run("python", "-c", CUDA_INFO)
+
+
+@nox.session(default=False)
+def gpu(session: nox.Session) -> None:
+    """The GPU suite, tests/gpu, on this machine's CUDA device(s): both examples in bf16 and
+    fp16, resumed bitwise; a real out-of-memory error skipped; NCCL and every comm hook;
+    pinned memory with workers; ``ups tune``, MFU and the profiler; ``torch.compile``
+    (docs/gpu.md). Not a default session: ``nox -s gpu``. Without a CUDA device every test is
+    skipped for "no CUDA device", and the skips are listed."""
+    install_for_cuda(session, *PACKAGES)
+    pytest(session, "gpu", "-m", "gpu", "tests/gpu", "-rs")
     discard(session)
 
 
@@ -215,6 +251,17 @@ def bench_comm(session: nox.Session) -> None:
     ``nox -s bench_comm -- --rates 1gbit --rounds 1 --steps 2``."""
     install(session, "core", "comm_hooks")
     session.run("python", "benchmarks/bench_comm.py", *session.posargs)
+
+
+@nox.session(name="bench_gpu", default=False)
+def bench_gpu(session: nox.Session) -> None:
+    """Benchmark the engine on a CUDA device: against a hand-written loop on a compute-bound
+    model (the ratio of their step rates, one run), and the training stall of ups-ckpt's
+    background save of a state in GPU memory against its synchronous save; see
+    docs/gpu.md. Exits with a message on a machine without CUDA. Not a default session:
+    ``nox -s bench_gpu``."""
+    install_for_cuda(session, "core", "ckpt")
+    session.run("python", "benchmarks/bench_gpu.py", *session.posargs)
 
 
 @nox.session(name="bench_pipeline", default=False)

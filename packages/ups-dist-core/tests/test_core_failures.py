@@ -3,9 +3,11 @@ out-of-memory step is skipped by all, any other error stops all, naming the rank
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 from ups.core import RunContext, UsageError, load_config, load_plugins, train
 from ups.core.engine import train as train_rank
 from ups.core.faults import ENV, Fault, FaultInjector, parse_faults
+from ups.core.imports import load_object
 from ups.core.testing import run_ranks, run_ups, tiny_project
 
 
@@ -142,6 +145,60 @@ def test_the_cli_names_the_failed_rank_and_its_error(
         assert f"{rank0} (traceback: {log_file.with_name('rank0.jsonl')})" in failed
     # auto, on CPU ranks: no agreement; rank 0 fails in its next collective, or the agent
     # stops it, promptly either way (run_ups has a timeout)
+
+
+HOLDING_MODEL = '''
+import weakref
+
+import torch
+from torch import nn
+
+seen = []
+"""Each training forward after the failed one: whether what the failed one held is alive."""
+
+
+class Failing(nn.Module):
+    """Runs out of memory in its third training forward, holding a tensor when it does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+        self.attempts = 0
+        self.held = None
+
+    def forward(self, x):
+        if self.training:
+            self.attempts += 1
+            if self.held is not None:
+                seen.append(self.held() is not None)
+            if self.attempts == 3:
+                activations = torch.ones(1000)
+                self.held = weakref.ref(activations)
+                raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return self.net(x)
+
+
+def build_model():
+    return Failing()
+'''
+
+
+def test_a_skipped_step_frees_what_its_failed_forward_held_at_once(tmp_path: Path) -> None:
+    """The failed forward's tensors go when every rank skips its step, before the allocator's
+    cache is emptied: not when the garbage collector next breaks the cycle its traceback and
+    the frame that caught it make (off here: the collector runs at unpredictable times)."""
+    config = tiny_project(tmp_path, model={"factory": "holding.py:build_model"})
+    (tmp_path / "holding.py").write_text(HOLDING_MODEL)
+    factory = load_object(f"{tmp_path / 'holding.py'}:build_model", "model.factory")
+    seen = sys.modules[factory.__module__].seen
+    gc.disable()
+    try:
+        result = train(config, overrides=["training.skip_oom=true"])
+    finally:
+        gc.enable()
+    assert (result.steps, result.metrics[-1]["oom_skipped"]) == (7, 1)
+    assert seen == [False] * 5
 
 
 BARRIER_METRICS = """

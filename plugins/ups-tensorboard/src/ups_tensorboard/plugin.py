@@ -16,6 +16,7 @@ disables it.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +30,9 @@ if TYPE_CHECKING:  # torch's TensorBoard writer is imported by the run that writ
     from torch.utils.tensorboard import SummaryWriter
 
     from ups.core import Config, RunContext, TrainResult
+
+if importlib.util.find_spec("tensorboard") is None:  # found without importing it (or torch)
+    raise ImportError("ups-tensorboard needs the tensorboard package: pip install tensorboard")
 
 log = structlog.get_logger()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .lazy import imported, lazy_exports
+from .lazy import imported, lazy_exports, resolved
 from .structure import above, at_least, structure  # eager: ``structure`` is a module's name too
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
     from .config import Config, config_from_mapping, load_config, read_yaml
     from .context import RunContext, distributed_session
-    from .errors import ConfigError, UsageError
+    from .errors import ConfigError, UsageError, did_you_mean, one_of
     from .files import fsync_dir, write_atomically
     from .launch import (
         AGENT_ENV,
@@ -67,6 +67,8 @@ _EXPORTS = {
     "EXIT_PREEMPTED": ".cli",
     "ConfigError": ".errors",
     "UsageError": ".errors",
+    "did_you_mean": ".errors",
+    "one_of": ".errors",
     "fsync_dir": ".files",
     "write_atomically": ".files",
     "AGENT_ENV": ".launch",
@@ -137,6 +139,7 @@ __all__ = [
     "at_least",
     "config_from_mapping",
     "decide",
+    "did_you_mean",
     "distributed_session",
     "free_port",
     "fsync_dir",
@@ -146,7 +149,9 @@ __all__ = [
     "lazy_exports",
     "load_config",
     "load_plugins",
+    "one_of",
     "read_yaml",
+    "resolved",
     "run_processes",
     "structure",
     "train",

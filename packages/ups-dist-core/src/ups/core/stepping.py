@@ -289,6 +289,11 @@ class Stepper:
             ) from error
         if self.ctx.is_main:
             log.warning("out of memory: every rank skips the batch", step=step, ranks=ranks)
+        if error is not None:
+            # Its traceback holds the failed passes' frames and their tensors, in a cycle with
+            # the frame that caught it: freed now, not when the garbage collector gets to it,
+            # so that emptying the cache below hands their memory back.
+            error.__traceback__ = None
         self.optimizer.zero_grad(set_to_none=True)
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()
