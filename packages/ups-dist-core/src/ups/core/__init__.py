@@ -20,6 +20,7 @@ from .records import (
     Loaded,
     NoOptions,
     SamplerPlugin,
+    SectionPlugin,
 )
 from .step import Step, StepError
 from .structure import above, at_least, structure
@@ -42,6 +43,7 @@ __all__ = [
     "Registry",
     "RunContext",
     "SamplerPlugin",
+    "SectionPlugin",
     "Step",
     "StepError",
     "TrainResult",

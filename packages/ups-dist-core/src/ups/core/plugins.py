@@ -32,6 +32,7 @@ from .records import (
     LauncherPlugin,
     PluginRecord,
     SamplerPlugin,
+    SectionPlugin,
 )
 from .structure import structure
 
@@ -44,13 +45,14 @@ BUILTIN_NAME = "ups-dist-core"
 BUILTINS = "ups.core.builtins"
 """The module of the built-in plugin, registered under the name ``ups-dist-core``."""
 
-Family = Literal["sampler", "comm_hook", "checkpoint", "launcher", "command"]
+Family = Literal["sampler", "comm_hook", "checkpoint", "launcher", "command", "section"]
 FAMILIES: Mapping[Family, tuple[str, type[PluginRecord]]] = {
     "sampler": ("ups_samplers", SamplerPlugin),
     "comm_hook": ("ups_comm_hooks", CommHookPlugin),
     "checkpoint": ("ups_checkpoint_backends", CheckpointBackendPlugin),
     "launcher": ("ups_launchers", LauncherPlugin),
     "command": ("ups_commands", CommandPlugin),
+    "section": ("ups_config_sections", SectionPlugin),
 }
 """Each registration family: its hook and the record type the hook returns."""
 

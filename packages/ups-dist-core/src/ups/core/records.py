@@ -233,3 +233,14 @@ class CommandPlugin(PluginRecord):
     line, with exit status 2, like the built-in commands' errors."""
 
     factory: CommandFactory
+
+
+# ---------------------------------------------------------------------------------------------
+# Config sections
+
+
+@attrs.frozen(kw_only=True)
+class SectionPlugin(PluginRecord):
+    """A config section of a plugin's own: ``plugins.NAME`` in the config holds its keys, checked
+    against ``options`` by ``ups validate`` and ``ups train``. The plugin reads them back from
+    :attr:`ups.core.Config.plugins` with :meth:`ups.core.Config.section`."""
