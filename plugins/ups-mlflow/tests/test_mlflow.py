@@ -4,7 +4,6 @@ through ``MlflowClient``: what it holds equals the run folder's ``metrics.jsonl`
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,15 @@ from torch.utils.data import TensorDataset
 
 from ups.core import Config, RunContext, load_config, load_plugins
 from ups.core.engine import train
-from ups.core.testing import free_port, install_plugin, run_ranks, run_ups, tiny_project
+from ups.core.testing import (
+    KILLER_MODULE,
+    free_port,
+    install_plugin,
+    run_ranks,
+    run_ups,
+    tiny_project,
+    tracker_metrics,
+)
 from ups_mlflow import ID_FILE, plugin
 
 pytestmark = pytest.mark.filterwarnings(
@@ -24,16 +31,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
-KILLER = """
-import os, signal
-from ups.core import hookimpl
-
-@hookimpl
-def ups_checkpoint_saved(step):
-    if step == int(os.environ.get("KILL_AT_STEP", "0")):
-        os.kill(os.getpid(), signal.SIGKILL)
-"""
-"""A plugin whose process kills itself once the checkpoint of step ``KILL_AT_STEP`` is saved."""
 
 
 def make_data(n: int = 64) -> TensorDataset:
@@ -46,19 +43,6 @@ def make_data(n: int = 64) -> TensorDataset:
 def _train(ctx: RunContext, config: Config) -> int:
     registry = load_plugins(extra=[("mlflow", plugin)], env=NO_AUTOLOAD)
     return train(config, ctx, registry).steps
-
-
-def expected(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """``metrics.jsonl`` as tracker metrics: ``KIND/NAME`` -> ``(step, value)`` by step, the
-    later line winning at a step logged twice, ``null`` (not measured) left out."""
-    found: dict[str, dict[int, float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        kind, step = record.pop("kind"), record.pop("step")
-        for name, value in record.items():
-            if value is not None and not math.isnan(value):
-                found.setdefault(f"{kind}/{name}", {})[step] = value
-    return {key: sorted(steps.items()) for key, steps in found.items()}
 
 
 def logged(client: MlflowClient, run: Run) -> dict[str, list[tuple[int, float]]]:
@@ -115,7 +99,7 @@ def test_two_ranks_log_one_run_holding_exactly_metrics_jsonl(
 ) -> None:
     config, client, name = two_ranks
     run = the_run(client, name)  # rank 0 only: one run
-    want = expected(config.run_dir)
+    want = tracker_metrics(config.run_dir)
     for key in ("train/loss/plus", "train/comm_bytes", "train/samples_per_s", "train/lr"):
         assert key in want, key
     assert {"train/grad_norm", "eval/loss/minus"} <= set(want)
@@ -140,7 +124,7 @@ def test_a_killed_run_resumed_continues_its_mlflow_run(
 ) -> None:
     site = tmp_path / "site"
     site.mkdir()
-    install_plugin(site, "ups-killer", "killer", KILLER)
+    install_plugin(site, "ups-killer", "killer", KILLER_MODULE)
     monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("UPS_BLOCK_PLUGINS", "tensorboard,wandb")
     name = experiment(store, tmp_path)
@@ -161,7 +145,7 @@ def test_a_killed_run_resumed_continues_its_mlflow_run(
     run = the_run(store, name)
     assert run.info.run_id == first
     assert run.info.status == "FINISHED"
-    want = expected(run_dir)
+    want = tracker_metrics(run_dir)
     # the killed run reported steps 2 and 4, the resumed one (from step 4) steps 6 and 8
     assert [step for step, _ in want["train/loss"]] == [2, 4, 6, 8]
     assert logged(store, run) == want

@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -126,7 +127,7 @@ class WandbTracker:
         options = config.section(WandbOptions, "wandb")
         id_file = config.run_dir / ID_FILE
         kept = id_file.read_text().strip() if self.resumed and id_file.is_file() else ""
-        run_id = kept or wandb.util.generate_id()
+        run_id = kept or uuid.uuid4().hex[:12]
         id_file.parent.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id + "\n")
         sweep = json.loads(os.environ[SWEEP_ENV]) if os.environ.get(SWEEP_ENV) else {}
@@ -141,11 +142,9 @@ class WandbTracker:
             name=config.run.name,
             tags=list(options.tags),
             group=options.group or sweep.get("study"),
-            config=plain | {"ups": {"digest": config.digest()}},
+            config=plain | {"ups": {"digest": config.digest(), "sweep_trial": sweep.get("trial")}},
             settings=wandb.Settings(init_timeout=options.init_timeout_s),
         )
-        if sweep:
-            run.config.update({"ups": {"sweep_trial": sweep["trial"]}}, allow_val_change=True)
         log.info("wandb run " + ("continued" if kept else "started"), run_id=run_id)
         return run
 

@@ -7,6 +7,7 @@ no mocks. The function must be importable by the spawned processes (defined at m
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import pickle
@@ -67,6 +68,37 @@ def install_plugin(site: Path, name: str, module: str, source: str, version: str
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     (info / "entry_points.txt").write_text(f"[ups]\n{name} = {module}\n")
     (info / "RECORD").write_text("")
+
+
+KILLER_MODULE = '''"""A plugin whose process kills itself (SIGKILL) once the checkpoint of step
+KILL_AT_STEP (an environment variable) is saved."""
+import os
+import signal
+
+from ups.core import hookimpl
+
+
+@hookimpl
+def ups_checkpoint_saved(step):
+    if step == int(os.environ.get("KILL_AT_STEP", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+'''
+"""A plugin's source for :func:`install_plugin`: its run dies as a machine loss would kill it,
+right after a checkpoint, to test what a resumed run continues."""
+
+
+def tracker_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The run folder's ``metrics.jsonl`` as an experiment tracker should hold it: each metric
+    as ``KIND/NAME`` (``train/loss``, ``eval/loss/TASK``) with its ``(step, value)`` pairs by
+    step; at a step reported twice (a resumed run) the later line wins; ``null`` left out."""
+    found: dict[str, dict[int, float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        kind, step = record.pop("kind"), record.pop("step")
+        for name, value in record.items():
+            if value is not None:
+                found.setdefault(f"{kind}/{name}", {})[step] = value
+    return {key: sorted(steps.items()) for key, steps in found.items()}
 
 
 def tiny_project(folder: Path, **sections: Any) -> Path:
