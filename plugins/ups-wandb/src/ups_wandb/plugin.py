@@ -6,7 +6,10 @@ section: the resolved config as the run's config, every training report and eval
 ``train/NAME`` and ``eval/NAME`` at their optimizer step, the run's name and tags, and at the
 end the summary (``ups/*`` keys) and the report's figure (``report.png`` among the run's
 files). The W&B files go to ``RUN_DIR/wandb``; the run's id is kept in ``RUN_DIR/wandb.id``:
-a run that resumes from a checkpoint continues the same W&B run. Inside a trial of
+a run that resumes from a checkpoint continues the same W&B run. W&B's service writes what it
+is handed in blocks, and a killed process loses the block it had not written: offline, a
+continued run therefore first logs again what ``metrics.jsonl`` held when it resumed (online,
+W&B keeps what it received and ignores steps before its last). Inside a trial of
 ``ups sweep`` (ups-optuna), the run's group is the study.
 
 W&B failing (no network, a bad key, a server down) never stops training: one warning, and the
@@ -27,7 +30,7 @@ import attrs
 import structlog
 
 from ups.core import Config, RunContext, SectionPlugin, TrainResult, above, hookimpl
-from ups.core.report import plot, read_metrics
+from ups.core.report import Record, plot, read_metrics
 
 log = structlog.get_logger()
 
@@ -62,20 +65,26 @@ class WandbTracker:
     def __init__(self) -> None:
         self.config: Config | None = None
         """The run's config while the tracker logs (rank 0, with a ``plugins.wandb`` section)."""
-        self.resumed = False
+        self.resumed: list[Record] | None = None
+        """When the run resumed: the reports ``metrics.jsonl`` held then."""
         self.run: Any = None
 
     def start(self, ctx: RunContext, config: Config) -> None:
         """Take a new run's config (rank 0, with a ``plugins.wandb`` section)."""
         self.config = config if ctx.is_main and "wandb" in config.plugins else None
-        self.resumed, self.run = False, None
+        self.resumed, self.run = None, None
+
+    def resume(self) -> None:
+        """The run resumes from a checkpoint: keep the reports made before, to log again."""
+        if self.config is not None:
+            path = self.config.run_dir / "metrics.jsonl"
+            self.resumed = read_metrics(self.config.run_dir) if path.is_file() else []
 
     def metrics(
         self, kind: Literal["train", "eval"], step: int, values: Mapping[str, float]
     ) -> None:
         """Log one report's metrics as ``KIND/NAME`` at ``step``; NaN (not measured) left out."""
-        row = {f"{kind}/{name}": v for name, v in values.items() if not math.isnan(v)}
-        self._call("log metrics", lambda: self.run.log(row, step=step))
+        self._call("log metrics", lambda: _log(self.run, kind, step, values))
 
     def end(self, result: TrainResult) -> None:
         """Add the summary and the report's figure, and finish the W&B run."""
@@ -126,7 +135,8 @@ class WandbTracker:
 
         options = config.section(WandbOptions, "wandb")
         id_file = config.run_dir / ID_FILE
-        kept = id_file.read_text().strip() if self.resumed and id_file.is_file() else ""
+        resumed = self.resumed is not None
+        kept = id_file.read_text().strip() if resumed and id_file.is_file() else ""
         run_id = kept or uuid.uuid4().hex[:12]
         id_file.parent.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id + "\n")
@@ -146,7 +156,17 @@ class WandbTracker:
             settings=wandb.Settings(init_timeout=options.init_timeout_s),
         )
         log.info("wandb run " + ("continued" if kept else "started"), run_id=run_id)
+        if kept and run.offline:
+            for record in self.resumed or []:
+                if record["kind"] in ("train", "eval"):
+                    metrics = {k: v for k, v in record.items() if k not in ("kind", "step")}
+                    _log(run, record["kind"], record["step"], metrics)
         return run
+
+
+def _log(run: Any, kind: str, step: int, values: Mapping[str, float]) -> None:
+    """Log one report as ``KIND/NAME`` at ``step``; NaN (not measured) left out."""
+    run.log({f"{kind}/{name}": v for name, v in values.items() if not math.isnan(v)}, step=step)
 
 
 _tracker = WandbTracker()
@@ -168,7 +188,7 @@ def ups_run_start(ctx: RunContext, config: Config) -> None:
 
 @hookimpl
 def ups_checkpoint_restore(ctx: RunContext) -> None:
-    _tracker.resumed = True
+    _tracker.resume()
 
 
 @hookimpl
