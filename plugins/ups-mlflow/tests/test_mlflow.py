@@ -21,6 +21,7 @@ from ups.core.testing import (
     run_ranks,
     run_ups,
     tiny_project,
+    torchrun_env,
     tracker_metrics,
 )
 from ups_mlflow import ID_FILE, plugin
@@ -38,6 +39,12 @@ def make_data(n: int = 64) -> TensorDataset:
     x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
     task = torch.arange(n) % 2
     return TensorDataset(x, x.sum(dim=1, keepdim=True) * (1 - 2 * task[:, None]), task)
+
+
+def as_a_trial(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The launcher's variables, and the link ``ups sweep`` sets for trial 3 of a study."""
+    link = json.dumps({"study": "lr-search", "trial": 3})
+    return torchrun_env(rank, world_size, port) | {"UPS_OPTUNA_TRIAL": link}
 
 
 def _train(ctx: RunContext, config: Config) -> int:
@@ -90,7 +97,8 @@ def two_ranks(
         """
     )
     config = load_config(tmp_path / "run.yaml")
-    assert run_ranks(_train, 2, config) == [4, 4]  # 64 samples, 32 a rank, batches of 8
+    # as a trial of `ups sweep` (ups-optuna) runs: its link in the environment
+    assert run_ranks(_train, 2, config, env=as_a_trial) == [4, 4]  # 32 samples a rank, 8 a batch
     return config, store, name
 
 
@@ -110,6 +118,8 @@ def test_two_ranks_log_one_run_holding_exactly_metrics_jsonl(
     assert run.data.tags["team"] == "pde"
     assert run.data.tags["ups.digest"] == config.digest()
     assert run.data.tags["ups.steps"] == "4"
+    assert run.data.tags["ups.sweep.study"] == "lr-search"
+    assert run.data.tags["ups.sweep.trial"] == "3"
     params = run.data.params
     assert json.loads(params["training.batch_size"]) == 8
     assert json.loads(params["data.tasks"]) == ["plus", "minus"]

@@ -28,6 +28,7 @@ from ups.core.testing import (
     run_ranks,
     run_ups,
     tiny_project,
+    torchrun_env,
     tracker_metrics,
 )
 from ups_wandb import ID_FILE, plugin
@@ -93,6 +94,12 @@ def make_data(n: int = 64) -> TensorDataset:
     return TensorDataset(x, x.sum(dim=1, keepdim=True) * (1 - 2 * task[:, None]), task)
 
 
+def as_a_trial(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The launcher's variables, and the link ``ups sweep`` sets for trial 3 of a study."""
+    link = json.dumps({"study": "lr-search", "trial": 3})
+    return torchrun_env(rank, world_size, port) | {"UPS_OPTUNA_TRIAL": link}
+
+
 def _train(ctx: RunContext, config: Config) -> int:
     registry = load_plugins(extra=[("wandb", plugin)], env=NO_AUTOLOAD)
     return train(config, ctx, registry).steps
@@ -113,7 +120,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Config:
         """
     )
     config = load_config(tmp_path / "run.yaml")
-    assert run_ranks(_train, 2, config) == [4, 4]  # 64 samples, 32 a rank, batches of 8
+    # as a trial of `ups sweep` (ups-optuna) runs: its link in the environment
+    assert run_ranks(_train, 2, config, env=as_a_trial) == [4, 4]  # 32 samples a rank, 8 a batch
     return config
 
 
@@ -129,10 +137,11 @@ def test_two_ranks_log_one_run_holding_exactly_metrics_jsonl(two_ranks: Config) 
     run = first(files, "run")
     assert run.run_id == (two_ranks.run_dir / ID_FILE).read_text().strip()
     assert (run.display_name, run.project, list(run.tags)) == ("wb", "tests", ["pde", "tiny"])
+    assert run.run_group == "lr-search"
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["training"]["batch_size"] == 8
     assert config["data"]["tasks"] == ["plus", "minus"]
-    assert config["ups"]["digest"] == two_ranks.digest()
+    assert config["ups"] == {"digest": two_ranks.digest(), "sweep_trial": 3}
     summary = {
         "/".join(i.nested_key) or i.key: json.loads(i.value_json)
         for p in files
