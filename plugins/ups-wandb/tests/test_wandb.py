@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from torch.utils.data import TensorDataset
 from wandb.proto import wandb_internal_pb2
 
 from ups.core import Config, RunContext, load_config, load_plugins
@@ -87,13 +85,6 @@ def first(files: list[Path], kind: str) -> Any:
     )
 
 
-def make_data(n: int = 64) -> TensorDataset:
-    """Two tasks, alternating: the target is the sum of the inputs, or its negation."""
-    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
-    task = torch.arange(n) % 2
-    return TensorDataset(x, x.sum(dim=1, keepdim=True) * (1 - 2 * task[:, None]), task)
-
-
 def as_a_trial(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The launcher's variables, and the link ``ups sweep`` sets for trial 3 of a study."""
     link = json.dumps({"study": "lr-search", "trial": 3})
@@ -113,8 +104,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Config:
         f"""
         run: {{name: wb, output_dir: {tmp_path}, log_every: 2}}
         model: {{factory: "torch.nn:Linear", options: {{in_features: 4, out_features: 1}}}}
-        data: {{factory: "{__file__}:make_data", tasks: [plus, minus]}}
-        eval: {{factory: "{__file__}:make_data", options: {{n: 16}}, every_steps: 2}}
+        data: {{factory: "ups.core.testing:two_task_dataset", tasks: [plus, minus]}}
+        eval: {{factory: "ups.core.testing:two_task_dataset", options: {{n: 16}}, every_steps: 2}}
         training: {{batch_size: 8, grad_clip_norm: 10.0}}
         plugins: {{wandb: {{project: tests, mode: offline, tags: [pde, tiny]}}}}
         """

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 import yaml
+from torch.utils.data import TensorDataset
 
 from .context import distributed_session
 
@@ -99,6 +100,14 @@ def tracker_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
             if value is not None:
                 found.setdefault(f"{kind}/{name}", {})[step] = value
     return {key: sorted(steps.items()) for key, steps in found.items()}
+
+
+def two_task_dataset(n: int = 64) -> TensorDataset:
+    """A ``data.factory`` of two tasks, alternating: the target is the sum of the 4 inputs, or
+    its negation; items are ``(inputs, target, task_id)``."""
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+    task = torch.arange(n) % 2
+    return TensorDataset(x, x.sum(dim=1, keepdim=True) * (1 - 2 * task[:, None]), task)
 
 
 def tiny_project(folder: Path, **sections: Any) -> Path:
