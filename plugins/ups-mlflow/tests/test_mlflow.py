@@ -120,6 +120,7 @@ def test_two_ranks_log_one_run_holding_exactly_metrics_jsonl(
     assert json.loads((config.run_dir / ID_FILE).read_text())["run_id"] == run.info.run_id
 
 
+@pytest.mark.slow  # two `ups train` processes
 def test_a_killed_run_resumed_continues_its_mlflow_run(
     store: MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -152,6 +153,7 @@ def test_a_killed_run_resumed_continues_its_mlflow_run(
     assert logged(store, run) == want
 
 
+@pytest.mark.slow  # an `ups train` process
 def test_a_dead_tracking_server_costs_one_warning_and_no_training(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -144,6 +144,7 @@ def test_two_ranks_log_one_run_holding_exactly_metrics_jsonl(two_ranks: Config) 
     assert (files[0].parent / "files" / "report.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # two `ups train` processes
 def test_a_killed_run_resumed_continues_its_wandb_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -177,6 +178,7 @@ def test_a_killed_run_resumed_continues_its_wandb_run(
     assert history(files) == want
 
 
+@pytest.mark.slow  # an `ups train` process
 def test_a_dead_server_costs_one_warning_and_no_training(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
