@@ -29,7 +29,15 @@ from typing import Any, Literal
 import attrs
 import structlog
 
-from ups.core import Config, RunContext, SectionPlugin, TrainResult, above, hookimpl
+from ups.core import (
+    Config,
+    RunContext,
+    SectionPlugin,
+    TrainResult,
+    UsageError,
+    above,
+    hookimpl,
+)
 from ups.core.report import Record, plot, read_metrics
 
 log = structlog.get_logger()
@@ -77,8 +85,10 @@ class WandbTracker:
     def resume(self) -> None:
         """The run resumes from a checkpoint: keep the reports made before, to log again."""
         if self.config is not None:
-            path = self.config.run_dir / "metrics.jsonl"
-            self.resumed = read_metrics(self.config.run_dir) if path.is_file() else []
+            try:
+                self.resumed = read_metrics(self.config.run_dir)
+            except UsageError:  # no report was made before the checkpoint
+                self.resumed = []
 
     def metrics(
         self, kind: Literal["train", "eval"], step: int, values: Mapping[str, float]
