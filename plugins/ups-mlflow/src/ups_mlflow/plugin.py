@@ -39,6 +39,8 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TI
 once, not the minutes of MLflow's own defaults (7 retries, 120 s each)."""
 PARAMS_PER_CALL = 100
 """The most params MLflow takes in one ``log_batch``."""
+PARAM_LENGTH = 6000
+"""The longest param value MLflow stores; a longer one (a long schedule) is cut there."""
 
 
 @attrs.frozen(kw_only=True)
@@ -186,7 +188,7 @@ class MlflowTracker:
         from mlflow.entities import Param
 
         plain = json.loads(json.dumps(attrs.asdict(config), default=str))
-        params = [Param(key, json.dumps(value)) for key, value in flatten(plain)]
+        params = [Param(key, json.dumps(value)[:PARAM_LENGTH]) for key, value in flatten(plain)]
         for first in range(0, len(params), PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=params[first : first + PARAMS_PER_CALL])
 
