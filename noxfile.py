@@ -21,6 +21,10 @@ import tomllib
 ROOT = Path(__file__).parent
 REPORTS = ROOT / ".nox-reports"
 TORCH = "torch==2.13.0"
+TORCH_INDEX = os.environ.get("UPS_TORCH_INDEX", "https://download.pytorch.org/whl/cu128")
+"""Where ``nox -s gpu`` and ``nox -s bench_gpu`` get :data:`TORCH` built for CUDA: PyTorch's
+own index of CUDA 12.8 wheels, unless ``UPS_TORCH_INDEX`` names another (``.../whl/cu126``
+for an older driver, ``https://pypi.org/simple`` for PyPI's wheel, which is CUDA 12 too)."""
 PACKAGES = {
     "core": "ups-dist-core",
     "samplers": "ups-samplers",
@@ -119,9 +123,41 @@ def integration(session: nox.Session) -> None:
     what the neural-operator example (examples/pde_operator) reads its data with."""
     install(session, *PACKAGES)
     session.install("-c", str(CONSTRAINTS), "h5py")
-    pytest(session, "integration", "tests", *(f"--ignore={t}" for t in DOCS_TESTS))
+    # tests/gpu is the GPU suite (nox -s gpu); tests/test_gpu_suite.py checks here that it
+    # collects and skips every test for "no CUDA device".
+    ignored = (*DOCS_TESTS, "tests/gpu")
+    pytest(session, "integration", "tests", *(f"--ignore={t}" for t in ignored))
     session.install(TOOLS["mypy"], "types-PyYAML", "types-tqdm")
     session.run("mypy", *(f"packages/{d}/src" for d in PACKAGES.values()))
+    discard(session)
+
+
+CUDA_INFO = """
+import torch
+devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}: {devices or 'no CUDA device'}")
+"""
+
+
+def install_for_cuda(session: nox.Session, *short_names: str) -> None:
+    """Install :data:`TORCH` built for CUDA (from :data:`TORCH_INDEX`), then the distributions
+    as :func:`install` does (the CUDA build satisfies their torch requirement), and h5py for
+    the operator example; print what torch sees."""
+    session.install("--index-url", TORCH_INDEX, TORCH)
+    install(session, *short_names)
+    session.install("-c", str(CONSTRAINTS), "h5py")
+    session.run("python", "-c", CUDA_INFO)
+
+
+@nox.session(default=False)
+def gpu(session: nox.Session) -> None:
+    """The GPU suite, tests/gpu, on this machine's CUDA device(s): both examples in bf16 and
+    fp16, resumed bitwise; a real out-of-memory error skipped; NCCL and every comm hook;
+    pinned memory with workers; ``ups tune``, MFU and the profiler; ``torch.compile``
+    (docs/gpu.md). Not a default session: ``nox -s gpu``. Without a CUDA device every test is
+    skipped for "no CUDA device", and the skips are listed."""
+    install_for_cuda(session, *PACKAGES)
+    pytest(session, "gpu", "-m", "gpu", "tests/gpu", "-rs")
     discard(session)
 
 
@@ -212,6 +248,17 @@ def bench_comm(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_comm.py", *session.posargs)
 
 
+@nox.session(name="bench_gpu", default=False)
+def bench_gpu(session: nox.Session) -> None:
+    """Benchmark the engine on a CUDA device: against a hand-written loop on a compute-bound
+    model (the ratio of their step rates, one run), and the training stall of ups-ckpt's
+    background save of a state in GPU memory against its synchronous save; see
+    docs/gpu.md. Exits with a message on a machine without CUDA. Not a default session:
+    ``nox -s bench_gpu``."""
+    install_for_cuda(session, "core", "ckpt")
+    session.run("python", "benchmarks/bench_gpu.py", *session.posargs)
+
+
 @nox.session(name="bench_pipeline", default=False)
 def bench_pipeline(session: nox.Session) -> None:
     """Benchmark the engine's training-step contract and data pipeline: a custom
@@ -222,3 +269,15 @@ def bench_pipeline(session: nox.Session) -> None:
     install(session, "core")
     session.install("-c", str(CONSTRAINTS), "h5py")
     session.run("python", "benchmarks/bench_pipeline.py", *session.posargs)
+
+
+@nox.session(name="bench_cli", default=False)
+def bench_cli(session: nox.Session) -> None:
+    """Benchmark how fast ``ups`` answers when it does not train (``--help``, ``status``,
+    ``plugins``) beside ``python -c pass`` and ``import torch``, with every distribution of
+    packages/ and the plugins ups-tensorboard and ups-optuna installed (ups-blocks, the one-file
+    example of docs/plugins.md, imports torch with its module); see benchmarks/README.md. Not a
+    default session: ``nox -s bench_cli``; ``-- --repeats 9`` for more runs."""
+    install(session, *PACKAGES)
+    session.install("-c", str(CONSTRAINTS), "./plugins/ups-tensorboard", "./plugins/ups-optuna")
+    session.run("python", "benchmarks/bench_cli.py", *session.posargs)

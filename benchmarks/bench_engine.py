@@ -182,6 +182,7 @@ def write_config(
     config["training"].update(epochs=10**6, max_steps=max_steps)
     config["distributed"].update(backend="gloo")
     config["checkpoint"]["every_steps"] = None
+    config["sampler"] = {"name": "torch"}  # the hand-written loop's DistributedSampler
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -18,11 +18,20 @@ from typing import Any
 
 import attrs
 import pytest
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Sampler
 
-from ups.core import hookspecs
+from ups.core import RunContext, hookspecs
 from ups.core.markers import NAME
 from ups.core.plugins import FAMILIES
 
+ANNOTATED = {
+    "DistributedDataParallel": DistributedDataParallel,
+    "RunContext": RunContext,
+    "Sampler": Sampler,
+}
+"""Names ``ups.core.records`` imports for its annotations only (under ``TYPE_CHECKING``, so
+that listing the plugins imports no torch)."""
 HOOKS_MD = Path(__file__).resolve().parents[1] / "docs" / "hooks.md"
 TEXT = HOOKS_MD.read_text(encoding="utf-8")
 
@@ -137,7 +146,7 @@ def test_registration_record_and_factory_are_documented(hook: str) -> None:
     if factory is None:  # a config section: options only, nothing to build
         return
     protocols = [factory]
-    made = typing.get_type_hints(factory.__call__).get("return")
+    made = typing.get_type_hints(factory.__call__, localns=ANNOTATED).get("return")
     if getattr(made, "_is_protocol", False):
         protocols.append(made)
     for protocol in protocols:

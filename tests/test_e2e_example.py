@@ -32,6 +32,11 @@ def test_the_example_trains_on_two_ranks_with_one_log(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert [e for e in events if e["level"] != "info"] == []  # no warning about our own demo
+    folder = tmp_path / "pde-multitask"
+    assert result.stdout.splitlines()[-1] == (
+        f"ups: the run's files are in {folder}; plot them: ups report {folder}"
+    )
     # rank 0 reports; the other rank stays quiet unless something is wrong
     assert {e.get("rank") for e in events if e["level"] == "info"} == {0}
     start = next(e for e in events if e["event"] == "training")

@@ -26,7 +26,14 @@ import yaml
 from test_e2e_resume import final_state, project
 
 from ups.core.context import collective_timeout
-from ups.core.testing import assert_bitwise_equal, free_port, kill_all_in, two_machines
+from ups.core.testing import (
+    assert_bitwise_equal,
+    free_port,
+    install_plugin,
+    kill_all_in,
+    tiny_project,
+    two_machines,
+)
 
 EXIT_PREEMPTED = 75
 
@@ -451,3 +458,39 @@ def test_an_elastic_job_that_lost_a_machine_for_good_resumes_on_1_rank_and_sees_
     everything = set(taken) | set(lines(after))
     assert len(everything) == 64  # the 64 samples' first inputs are distinct
     assert sorted(lines(after)) == sorted(everything - set(taken))  # the rest, each exactly once
+
+
+KILL_AT_END = """
+import os
+import signal
+
+from ups.core import hookimpl
+
+
+@hookimpl
+def ups_run_end(ctx, result):
+    if ctx.rank == 1 and ctx.restart_count == 0:  # after the final save, in the first start
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+"""A plugin that SIGKILLs rank 1 as its run ends, as a worker lost during teardown is."""
+
+
+@pytest.mark.slow
+def test_a_worker_killed_after_the_final_save_restarts_into_a_complete_run_and_exits_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tiny_project(
+        tmp_path / "project",
+        training={"batch_size": 4},
+        checkpoint={"every_steps": 7},
+        distributed={"timeout_s": 30},
+    )
+    install_plugin(tmp_path, "ups-kill-at-end", "ups_kill_at_end", KILL_AT_END)
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [path])]))
+    done = ups_train(config, "--max-restarts", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Restarted once, into the complete run: every rank resumed at the end and said so.
+    for rank in (0, 1):
+        assert [e["step"] for e in events(config, "resumed", rank)] == [8]
+        assert events(config, "the run is complete at step 8: nothing left to train", rank)

@@ -1,7 +1,7 @@
-"""A user installs one distribution into a fresh venv, from its folder: a package of packages/
-brings ups-dist-core and torch along; a plugin of plugins/, written as a third party would, is
-installed with ups-dist-core beside it (not published). Nothing of the other ups distributions
-comes with either."""
+"""A user installs one distribution into a fresh venv, from its folder, with ups-dist-core's
+folder beside it (every distribution asks for ups-dist-core by name; it is not published):
+torch comes along, nothing of the other ups distributions does. A contributor installs every
+distribution and plugin editable into one venv with the README's one command."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def run(*args: str | Path, cwd: Path) -> str:
     ("folders", "plugins", "rows"),
     [
         pytest.param(
-            ["packages/ups-samplers"],
+            ["packages/ups-dist-core", "packages/ups-samplers"],
             {"ups-samplers": "ups-samplers"},
             [["sampler", "tensor", "ups-samplers", "ups-samplers", "0.1.0", "enabled"]],
             id="ups-samplers",
@@ -108,3 +108,24 @@ def test_installing_one_distribution_alone(
     listed = [line.split() for line in listing.splitlines()]
     for row in [CORE_ROW, *rows]:
         assert row in listed
+
+
+def test_the_contributor_install_is_every_distribution_editable(tmp_path: Path) -> None:
+    """README "Developing": ``pip install -r requirements-dev.txt``, a list of ``-e FOLDER``
+    requests, resolves (an editable ups-dist-core satisfies the others' requirement of it) and
+    installs each distribution editable, imported from the tree. The venv sees the test
+    environment's packages (``--system-site-packages``) so that torch and the like are not
+    installed again; every ups distribution is installed into it all the same."""
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", "--system-site-packages", venv, cwd=tmp_path)
+    python = venv / "bin" / "python"
+    run(python, "-m", "pip", "install", "-q", "-r", "requirements-dev.txt", cwd=ROOT)
+    local = run(python, "-m", "pip", "list", "--local", "--editable", "--format=freeze", cwd=ROOT)
+    assert {line.split("==")[0].lower() for line in local.split()} == UPS
+    where = "import ups.samplers, ups_blocks; print(ups.samplers.__file__, ups_blocks.__file__)"
+    for path in run(python, "-c", where, cwd=tmp_path).split():
+        assert Path(path).is_relative_to(ROOT)
+    listed = [
+        line.split() for line in run(venv / "bin" / "ups", "plugins", cwd=tmp_path).splitlines()
+    ]
+    assert ["sampler", "blocks", "blocks", "ups-blocks", "0.1.0", "enabled"] in listed

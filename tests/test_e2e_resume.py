@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ups.core import ConfigError, train
-from ups.core.testing import assert_bitwise_equal, run_ups, tiny_project
+from ups.core import ConfigError, UsageError, train
+from ups.core.testing import assert_bitwise_equal, install_plugin, run_ups, tiny_project
 
 DROPOUT_MODEL = """
 import torch
@@ -31,12 +33,15 @@ def project(
     model: str = DROPOUT_MODEL,
     model_options: dict[str, Any] | None = None,
     comm_hook: dict[str, Any] | None = None,
+    loader: dict[str, Any] | None = None,
     **training: Any,
 ) -> Path:
     """The tiny project with a dropout model (the RNG matters), 64 samples in batches of 4 on
     2 ranks: 8 steps an epoch (fewer with accumulation), 3 epochs, checkpoints every 3 steps.
     ``model``: the source of the model's module (``build_model(**model_options)``)."""
-    sections = {"comm_hook": comm_hook} if comm_hook else {}
+    sections: dict[str, Any] = {"comm_hook": comm_hook} if comm_hook else {}
+    if loader:
+        sections["data"] = {"loader": loader}
     config = tiny_project(
         folder,
         model={"factory": "drop.py:build_model", "options": model_options or {}},
@@ -99,6 +104,85 @@ def test_a_stopped_and_resumed_run_ends_bitwise_equal_to_an_unstopped_one(
         assert_bitwise_equal(a[key], b[key])
     # The reports after the first one (whose window began at the stop) are the same too.
     assert rest.losses[1:] == whole.losses[-len(rest.losses) + 1 :]
+
+
+CONTRACT_SAMPLER = '''
+"""A sampler written from docs/hooks.md's ups_samplers contract alone."""
+import math
+
+import torch
+
+from ups.core import SamplerPlugin, hookimpl
+
+
+class Dealt(torch.utils.data.Sampler):
+    """The epoch's permutation dealt round-robin over the ranks. Its state: the epoch and the
+    samples of it taken over all ranks, which any number of ranks continues from."""
+
+    def __init__(self, dataset, *, ctx, seed, options):
+        self.size, self.ranks, self.rank, self.seed = len(dataset), ctx.world_size, ctx.rank, seed
+        self.epoch = self.start = self.yielded = 0
+
+    def set_epoch(self, epoch):
+        if epoch != self.epoch:
+            self.start = 0
+        self.epoch = epoch
+
+    def __len__(self):
+        return math.ceil((self.size - self.start) / self.ranks)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.size, generator=generator).tolist()[self.start :]
+        order += order[: len(self) * self.ranks - len(order)]  # the same count on every rank
+        self.yielded = 0
+        for index in order[self.rank :: self.ranks]:
+            self.yielded += 1
+            yield index
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "taken": min(self.size, self.start + self.yielded * self.ranks)}
+
+    def load_state_dict(self, state):
+        self.epoch, self.start, self.yielded = int(state["epoch"]), int(state["taken"]), 0
+
+
+@hookimpl
+def ups_samplers():
+    return [SamplerPlugin(name="dealt", factory=Dealt)]
+'''
+
+
+@pytest.mark.slow
+def test_a_sampler_written_from_the_contract_resumes_bitwise_with_workers_and_on_one_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/hooks.md's sampler contract, followed by a third party's sampler: stopped
+    mid-epoch (step 5 of 8, 2 loader workers reading ahead) and resumed on 2 ranks, the run
+    ends bitwise where an unstopped one does; resumed on 1 rank, the 24 samples left of the
+    epoch make 6 steps."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site, "ups-dealt", "ups_dealt", CONTRACT_SAMPLER)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    )
+
+    def run(folder: str, steps: int, nproc: int = 2) -> Any:
+        config = project(tmp_path / folder, steps, "latest", "dealt", loader={"num_workers": 2})
+        return train(config, nproc=nproc)
+
+    whole = run("whole", 14)
+    assert run("parts", 5).steps == 5
+    shutil.copytree(tmp_path / "parts", tmp_path / "one")
+    rest = run("parts", 14)
+    assert (rest.steps, rest.epochs) == (whole.steps, whole.epochs)
+    a, b = final_state(whole), final_state(rest)
+    for key in ("model", "optimizer", "step", "epoch", "epoch_left", "sampler", "rng", "ranks"):
+        assert_bitwise_equal(a[key], b[key])
+    one = run("one", 12, nproc=1)  # the epoch's 6 steps left, then the next epoch's first
+    assert (one.steps, one.epochs) == (12, 2)
 
 
 @pytest.mark.slow
@@ -185,10 +269,23 @@ def test_on_two_ranks_a_refused_resume_is_a_usage_error_too(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_a_resume_on_other_data_is_refused(tmp_path: Path) -> None:
-    assert train(project(tmp_path, 4, "latest"), nproc=1).steps == 4
+def test_a_resume_on_other_data_or_from_another_format_is_refused(tmp_path: Path) -> None:
+    result = train(project(tmp_path, 4, "latest"), nproc=1)
+    assert result.steps == 4 and result.checkpoint is not None
     with pytest.raises(ConfigError, match=r"saved with dataset \[64\], this run has \[60\]"):
         train(project(tmp_path, 6, "latest"), nproc=1, overrides=["data.options.n=60"])
+    # A checkpoint of an older layout (before the state had a format) is named, not misread.
+    saved = torch.load(result.checkpoint, weights_only=True)
+    del saved["state"]["format"]
+    torch.save(saved, result.checkpoint)
+    with pytest.raises(UsageError) as info:
+        train(project(tmp_path, 6, "latest"), nproc=1)
+    assert str(info.value) == (
+        f"checkpoint {result.checkpoint}: its training state has format None (saved by "
+        f"{', '.join(f'{k} {v}' for k, v in sorted(saved['state']['versions'].items()))}), "
+        "this ups-dist-core reads format 1; resume it with the version that saved it, or start "
+        "afresh (checkpoint.resume: none)"
+    )
 
 
 FINGERPRINTED_DATA = """

@@ -17,7 +17,7 @@ What it shows of ups:
 - **Per-task reporting.** The ``multitask`` sampler of ups-samplers mixes the tasks; ups
   reports ``loss/<task>`` and the per-sample metric ``nrmse/<task>`` (PDEBench's nRMSE).
 
-    pip install h5py ./packages/ups-samplers
+    pip install h5py ./packages/ups-dist-core ./packages/ups-samplers
     ups train examples/pde_operator/pde_operator.yaml --nproc 2
 """
 

@@ -74,7 +74,7 @@ def test_the_local_launcher_is_registered_by_the_entry_point() -> None:
     provided = registry.records("launcher")["local"]
     assert provided.plugin == "ups-cloud"
     assert isinstance(provided.record, LauncherPlugin)
-    assert provided.record.factory is LocalLauncher
+    assert registry.get("launcher", "local", "launch.name").factory is LocalLauncher
     _, options = registry.select("launcher", "local", {"cancel_grace_s": 3}, "launch")
     assert options == LocalLauncherOptions(python=sys.executable, cancel_grace_s=3.0)
     with pytest.raises(

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import Result
 
 from ups.core.testing import run_ups as ups
 
@@ -76,15 +79,84 @@ def test_plugins_lists_the_builtins() -> None:
     assert ["checkpoint", "simple", "ups-dist-core", "ups-dist-core", "0.1.0", "enabled"] in rows
 
 
-def test_train_on_one_process(project: Path) -> None:
-    result = ups("train", str(project / "run.yaml"), "-o", "training.max_steps=4")
+def test_train_on_one_process_and_again_on_the_complete_run(project: Path) -> None:
+    """Run again with ``resume: latest``, a run that reached its end (here ``max_steps``,
+    mid-epoch) says it is complete, and trains, evaluates and saves nothing more."""
+    train = ("train", str(project / "run.yaml"), "-o", "training.max_steps=4")
+    resume = ("-o", "checkpoint.resume=latest", "-o", "eval.factory=tiny.py:build_dataset")
+    result = ups(*train, *resume)
     assert result.returncode == 0, result.stderr
     events = [json.loads(line) for line in result.stderr.splitlines()]
     assert events[-1]["event"] == "done" and events[-1]["steps"] == 4
     assert "rank" not in events[-1]  # one process: no rank field
+    run = project / "runs" / "tiny"
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "logs" not in p.parts}
+    assert any(p.parent.name == "checkpoints" for p in files) and (run / "metrics.jsonl") in files
+    again = ups(*train, *resume)
+    assert again.returncode == 0, again.stderr
+    events = [json.loads(line)["event"] for line in again.stderr.splitlines()]
+    assert events[-2:] == ["resumed", "the run is complete at step 4: nothing left to train"]
+    # No new metrics, evaluation or checkpoint.
+    now = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "logs" not in p.parts}
+    assert now == files
 
 
 def test_max_restarts_sets_its_key_and_a_negative_one_is_a_usage_error(project: Path) -> None:
     result = ups("train", str(project / "run.yaml"), "--max-restarts", "-1")
     assert result.returncode == 2
     assert "distributed.max_restarts: -1 is not allowed: must be >= 0" in result.stderr
+
+
+DUPLICATE = """run:
+  name: tiny
+  seed: 1
+  log_every: 2
+  seed: 2
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("train", "bytes.yaml"),
+            "bytes.yaml: not a YAML text file: byte 0 is not UTF-8 (invalid start byte)",
+        ),
+        (
+            ("validate", "twice.yaml"),
+            "twice.yaml: not valid YAML: the key 'seed' is given twice in one mapping, on lines 3 and 5; keep one",
+        ),
+        (("train", "run.yaml", "--nproc", "0"), "argument --nproc: must be >= 1, not 0"),
+        (("train", "run.yaml", "--nproc=-3"), "argument --nproc: must be >= 1, not -3"),
+        (("validate", "run.yaml", "--nproc", "0"), "argument --nproc: must be >= 1, not 0"),
+        (
+            ("train", "run.yaml", "--nproc", "2", "-o", "run.output_dir=a_file/runs"),
+            "run.output_dir: the run's folder a_file/runs/tiny cannot be made: a_file is a file, "
+            "not a folder",
+        ),
+    ],
+)
+def test_bad_input_that_got_through_is_one_line_and_exit_2(
+    project: Path, ups: Callable[..., Result], args: tuple[str, ...], message: str
+) -> None:
+    """In this process (``ups``: :func:`ups.core.cli.main`): each is refused before any rank
+    starts, with one line naming the file, key or flag."""
+    (project / "bytes.yaml").write_bytes(bytes([0xFF, 0xFE, 0x00, 0x9C]) * 64)
+    (project / "twice.yaml").write_text(DUPLICATE)
+    (project / "a_file").write_text("")
+    result = ups(*args, cwd=project)
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line == f"ups: error: {message}"
+    assert not (project / "runs").exists()
+
+
+def test_more_processes_than_cores_is_one_warning(
+    project: Path, ups: Callable[..., Result], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UPS_LOG_FORMAT", "json")
+    cores = len(os.sched_getaffinity(0))
+    result = ups("validate", str(project / "run.yaml"), "--nproc", str(cores + 1))
+    assert result.returncode == 0, result.stderr
+    (warning,) = [json.loads(line)["event"] for line in result.stderr.splitlines()]
+    assert warning.startswith(f"distributed.nproc: {cores + 1} processes on {cores} CPU cores")

@@ -79,6 +79,24 @@ def test_help_and_plugins_list_it(site: Path, capsys: pytest.CaptureFixture[str]
     assert ["command", "hello", "ups-hello", "ups-hello", "0.1", "enabled"] in rows
 
 
+def test_plugins_credits_records_to_the_distribution_that_loaded_them(
+    site: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two distributions with one entry-point name: one loads, the other fails, and each row
+    names its own distribution."""
+    for dist in ("ups-alpha", "ups-beta"):
+        source = HELLO.replace('"hello"', repr(dist.removeprefix("ups-")))
+        install_plugin(site, dist, f"{dist.replace('-', '_')}_plugin", source, entry_point="dup")
+    assert main(["plugins"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    enabled = [row for row in rows if row[0] == "command" and row[2] == "dup"]
+    failed = [row for row in rows if row[2] == "dup" and row[5] == "failed:"]
+    assert len(enabled) == 1 and len(failed) == 1, rows
+    command, dist = enabled[0][1], enabled[0][3]
+    assert dist == f"ups-{command}"
+    assert failed[0][3] == ("ups-beta" if command == "alpha" else "ups-alpha")
+
+
 def test_a_command_named_like_a_built_in_is_refused_naming_the_plugin(
     site: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from ups.core.cli import main
 from ups.core.testing import install_plugin, run_ups, tiny_project
 
 Result = subprocess.CompletedProcess[str]
@@ -78,24 +77,6 @@ class Fake:
 def ups_launchers():
     return [LauncherPlugin(name="fake", factory=Fake, options=Options)]
 '''
-
-
-@pytest.fixture
-def ups(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> Callable[..., Result]:
-    """``ups ARGS`` run by :func:`ups.core.cli.main` in this process, in ``cwd`` if given."""
-
-    def run(*args: str, cwd: Path | None = None) -> Result:
-        capsys.readouterr()
-        with monkeypatch.context() as patch:
-            if cwd is not None:
-                patch.chdir(cwd)
-            status = main(list(args))
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(list(args), status, out, err)
-
-    return run
 
 
 @pytest.fixture
@@ -246,7 +227,7 @@ def test_launch_needs_a_launcher(tmp_path: Path, ups: Callable[..., Result]) -> 
     unknown = one_line_error(ups("launch", str(config), "--launcher", "nope", "--dry-run"))
     assert unknown.startswith("launch.name: unknown launcher 'nope'; available: ")
     assert one_line_error(ups("launch", str(config), "--nnodes", "0")) == (
-        "--nnodes must be >= 1, not 0"
+        "argument --nnodes: must be >= 1, not 0"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml", "tiny.py"]
 

@@ -3,14 +3,20 @@ out-of-memory step is skipped by all, any other error stops all, naming the rank
 
 from __future__ import annotations
 
+import gc
+import json
 import os
+import re
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ups.core import RunContext, UsageError, load_config, load_plugins, train
 from ups.core.engine import train as train_rank
 from ups.core.faults import ENV, Fault, FaultInjector, parse_faults
+from ups.core.imports import load_object
 from ups.core.testing import run_ranks, run_ups, tiny_project
 
 
@@ -21,6 +27,11 @@ def outcome(ctx: RunContext, config_path: Path) -> tuple[str, str]:
     except Exception as error:
         return type(error).__name__, str(error)
     return "ok", str(result.steps)
+
+
+def events(log_file: Path) -> list[dict[str, Any]]:
+    """The events of a rank's log file."""
+    return [json.loads(line) for line in log_file.read_text().splitlines()]
 
 
 def test_fault_specs_parse_and_bad_ones_name_the_item() -> None:
@@ -124,8 +135,114 @@ def test_the_cli_names_the_failed_rank_and_its_error(
     assert run.returncode == 1
     error = "RuntimeError: injected error (injected by UPS_FAULTS on rank 1 at step 2)"
     failed = [line for line in run.stderr.splitlines() if line.startswith("ups: rank ")]
-    assert f"ups: rank 1 failed: {error}" in failed
+    log_file = tmp_path / "runs" / "tiny" / "logs" / "rank1.jsonl"
+    assert f"ups: rank 1 failed: {error} (traceback: {log_file})" in failed
+    assert "Traceback" not in run.stderr  # rank 1's is in its log file:
+    (failure,) = [e for e in events(log_file) if e["event"] == "failed"]
+    assert failure["exception"].startswith("Traceback") and error in failure["exception"]
     if skip_oom == "true":  # agreed on: rank 0 names rank 1 too
-        assert f"ups: rank 0 failed: RankFailedError: step 2: rank 1: {error}" in failed
+        rank0 = f"ups: rank 0 failed: RankFailedError: step 2: rank 1: {error}"
+        assert f"{rank0} (traceback: {log_file.with_name('rank0.jsonl')})" in failed
     # auto, on CPU ranks: no agreement; rank 0 fails in its next collective, or the agent
     # stops it, promptly either way (run_ups has a timeout)
+
+
+HOLDING_MODEL = '''
+import weakref
+
+import torch
+from torch import nn
+
+seen = []
+"""Each training forward after the failed one: whether what the failed one held is alive."""
+
+
+class Failing(nn.Module):
+    """Runs out of memory in its third training forward, holding a tensor when it does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+        self.attempts = 0
+        self.held = None
+
+    def forward(self, x):
+        if self.training:
+            self.attempts += 1
+            if self.held is not None:
+                seen.append(self.held() is not None)
+            if self.attempts == 3:
+                activations = torch.ones(1000)
+                self.held = weakref.ref(activations)
+                raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return self.net(x)
+
+
+def build_model():
+    return Failing()
+'''
+
+
+def test_a_skipped_step_frees_what_its_failed_forward_held_at_once(tmp_path: Path) -> None:
+    """The failed forward's tensors go when every rank skips its step, before the allocator's
+    cache is emptied: not when the garbage collector next breaks the cycle its traceback and
+    the frame that caught it make (off here: the collector runs at unpredictable times)."""
+    config = tiny_project(tmp_path, model={"factory": "holding.py:build_model"})
+    (tmp_path / "holding.py").write_text(HOLDING_MODEL)
+    factory = load_object(f"{tmp_path / 'holding.py'}:build_model", "model.factory")
+    seen = sys.modules[factory.__module__].seen
+    gc.disable()
+    try:
+        result = train(config, overrides=["training.skip_oom=true"])
+    finally:
+        gc.enable()
+    assert (result.steps, result.metrics[-1]["oom_skipped"]) == (7, 1)
+    assert seen == [False] * 5
+
+
+BARRIER_METRICS = """
+import torch.distributed as dist
+
+
+def build(at):
+    calls = []
+
+    def metrics(outputs, targets):
+        calls.append(1)
+        if len(calls) == at and dist.get_rank() == 0:
+            dist.barrier()  # rank 1 never enters it
+        return {}
+
+    return metrics
+"""
+
+
+@pytest.mark.slow
+def test_a_collective_entered_by_one_rank_is_one_line_per_rank_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "barrier_metrics.py").write_text(BARRIER_METRICS)
+    config = tiny_project(
+        tmp_path,
+        metrics={"factory": "barrier_metrics.py:build", "options": {"at": 3}},
+        distributed={"timeout_s": 2},
+    )
+    run = run_ups("train", str(config), "--nproc", "2", timeout=60)
+    assert run.returncode == 1
+    logs = tmp_path / "runs" / "tiny" / "logs"
+    verdict = (
+        "HangError: rank 0 waits in a collective (barrier) that rank 1 never entered: no "
+        "progress for 2 s (distributed.timeout_s); rank 0 is after the forward pass of step 3, "
+        "in user code called from metrics.factory, in barrier, while rank 1 waited in the "
+        "backward pass of step 3"
+    )
+    failed = sorted(line for line in run.stderr.splitlines() if line.startswith("ups: rank"))
+    assert failed == [
+        f"ups: rank {rank} failed: {verdict} (traceback: {logs / f'rank{rank}.jsonl'})"
+        for rank in (0, 1)
+    ], run.stderr[-3000:]
+    # Nothing else but the JSON log, and torch's C++ warnings, if any: no traceback
+    other = [line for line in run.stderr.splitlines() if not line.startswith(("{", "ups: rank"))]
+    assert all(re.match(r"\[rank\d\]:\[W", line) for line in other), run.stderr[-3000:]
+    stuck = [e for e in events(logs / "rank0.jsonl") if e["event"] == "ranks stopped answering"]
+    assert stuck[0]["error"] == verdict.removeprefix("HangError: ")
+    assert "dist.barrier()" in stuck[0]["stack"]  # where rank 0 waits, in the user's code

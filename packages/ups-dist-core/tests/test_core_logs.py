@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
+import os
+import pty
+import re
+import struct
+import subprocess
 import sys
+import termios
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +23,7 @@ from structlog.testing import capture_logs
 from ups.core import logs
 from ups.core.context import RunContext
 from ups.core.progress import Progress
-from ups.core.testing import run_ranks
+from ups.core.testing import run_ranks, tiny_project
 
 log = structlog.get_logger()
 
@@ -119,11 +127,14 @@ def test_an_enabled_bar_shows_the_latest_loss_and_reaches_the_total() -> None:
     with Progress(RunContext(), 20, file=screen, enabled=True) as bar:
         assert bar.enabled
         for step in range(1, 21):
-            bar.update(step, {"loss": 1 / step, "lr": 0.1, "grad_norm": 3.0})
+            metrics = {"loss": 1 / step, "lr": 0.1, "loss/a": 2.0, "samples_per_s": 1234.5}
+            bar.update(step, metrics)
+            if step == 10:
+                bar.update(step, {"val_loss": 0.5})  # shown until the next evaluation
     last = shown(screen.getvalue().rstrip("\n").split("\n")[-1])
     assert "20/20" in last
-    assert "loss=0.05, lr=0.1" in last
-    assert "grad_norm" not in last
+    assert "loss=0.05, a=2, val_loss=0.5, 1234 samples/s" in last
+    assert "lr" not in last
 
 
 def test_a_bar_defaults_to_shown_on_a_terminal_only() -> None:
@@ -163,3 +174,39 @@ def test_a_log_line_written_while_a_bar_is_open_is_shown_whole(
     # The bar is drawn again after the line and ends complete.
     assert "10/10" in shown(lines[-2])
     assert "loss=0.25" in shown(lines[-2])
+
+
+def test_ups_train_on_a_terminal_shows_a_bar_not_step_lines_and_ends_saying_where_its_files_are(
+    tmp_path: Path,
+) -> None:
+    config = tiny_project(
+        tmp_path, eval={"factory": "tiny.py:build_dataset", "options": {"n": 16}, "every_steps": 4}
+    )
+    parent, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))  # 200 columns
+    env = {k: v for k, v in os.environ.items() if k != logs.FORMAT_ENV}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ups.core", "train", str(config)],
+        stdin=subprocess.DEVNULL,
+        stdout=child,
+        stderr=child,
+        env=env,
+    )
+    os.close(child)
+    raw = b""
+    with contextlib.suppress(OSError):  # EIO once the process has closed the terminal
+        while chunk := os.read(parent, 4096):
+            raw += chunk
+    os.close(parent)
+    assert process.wait(timeout=60) == 0
+    lines = [shown(line) for line in raw.decode().splitlines()]
+    bar = next(line for line in reversed(lines) if "8/8" in line)
+    assert re.search(r"8/8 \[.*, loss=[\d.e-]+, val_loss=[\d.e-]+, \d+ samples/s\]", bar), bar
+    assert not any("step_time_s" in line for line in lines)  # no step line of every metric
+    folder = tmp_path / "runs" / "tiny"
+    assert lines[-1] == f"ups: the run's files are in {folder}; plot them: ups report {folder}"
+    records = [
+        json.loads(line) for line in (folder / "logs" / "rank0.jsonl").read_text().split("\n")[:-1]
+    ]
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [2, 4, 6, 8] and "step_time_s" in steps[0]

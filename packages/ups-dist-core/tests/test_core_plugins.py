@@ -19,9 +19,10 @@ from ups.core import (
     hookimpl,
 )
 from ups.core.builtins import torch_sampler
+from ups.core.config import PluginChoice
 from ups.core.plugins import AUTOLOAD_ENV, BLOCK_ENV, load_plugins
 from ups.core.testing import install_plugin, tiny_project
-from ups.core.validate import validate
+from ups.core.validate import select_sampler, validate
 
 
 @attrs.frozen
@@ -69,7 +70,7 @@ def test_a_name_claimed_twice_is_an_error_naming_both_plugins() -> None:
     assert "'first'" in str(info.value) and "'second'" in str(info.value)
 
 
-def test_a_plugin_replaces_a_builtin_default_of_the_same_name_and_says_so() -> None:
+def test_a_plugin_replacing_a_builtin_is_warned_of_and_named_in_its_options_errors() -> None:
     with capture_logs() as logs:
         registry = load_plugins(extra=[("mine", samplers("torch"))], env=NO_AUTOLOAD)
         assert registry.records("sampler")["torch"].plugin == "mine"
@@ -79,9 +80,20 @@ def test_a_plugin_replaces_a_builtin_default_of_the_same_name_and_says_so() -> N
             "family": "sampler",
             "name": "torch",
             "plugin": "mine",
-            "log_level": "info",
+            "log_level": "warning",
         }
     ]
+    with pytest.raises(ConfigError) as info:
+        registry.select("sampler", "torch", {"shuffle": False}, "sampler")
+    assert str(info.value).startswith("sampler.options.shuffle: unknown key")
+    assert str(info.value).endswith(
+        "; note: sampler 'torch' is not the built-in one: plugin 'mine' (registered in code) "
+        "replaced it, with options ReverseOptions"
+    )
+    plain = load_plugins(extra=[("mine", samplers("reverse"))], env=NO_AUTOLOAD)
+    with pytest.raises(ConfigError, match="unknown key") as info:
+        plain.select("sampler", "reverse", {"shuffle": False}, "sampler")
+    assert "replaced" not in str(info.value)
 
 
 def test_a_hook_returning_the_wrong_record_type_is_reported() -> None:
@@ -190,6 +202,17 @@ def test_entry_points_are_discovered_blocked_and_broken_ones_reported(
 
     no_autoload = load_plugins(env=NO_AUTOLOAD)
     assert [p.name for p in no_autoload.plugins] == ["ups-dist-core"]
+
+
+def test_an_unknown_sampler_offers_only_the_samplers_of_its_kind() -> None:
+    registry = load_plugins(extra=[("mine", samplers("reverse"))], env=NO_AUTOLOAD)
+    for key, exact, offered in (
+        ("sampler", False, "reverse, torch"),
+        ("eval.sampler", True, "shard"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            select_sampler(registry, PluginChoice(name="nope"), key, exact=exact)
+        assert str(info.value) == f"{key}.name: unknown sampler 'nope'; available: {offered}"
 
 
 def test_validate_builds_each_plugins_section_through_its_plugin(tmp_path: Path) -> None:

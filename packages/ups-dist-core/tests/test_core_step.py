@@ -328,9 +328,11 @@ def test_a_mean_loss_counts_for_the_samples_it_says_it_averages() -> None:
     from ups.core.metrics import LossWindow
     from ups.core.stepping import Forward
     from ups.core.user_metrics import UserMetrics
+    from ups.core.watchdog import Watchdog
 
     ctx = RunContext()
-    forward = Forward(TokenMean(), ctx, "fp32", UserMetrics({}, ("all",), ctx.device), pinned=False)
+    metrics = UserMetrics({}, ("all",), ctx.device)
+    forward = Forward(TokenMean(), ctx, "fp32", metrics, Watchdog(ctx, "test"), pinned=False)
     mean, taken = forward(torch.nn.Identity(), (torch.full((4, 10), 2.0), torch.zeros(4)))
     assert (mean.item(), taken.samples, taken.weight) == (2.0, 4, 40)
     window = LossWindow((), ctx.device)

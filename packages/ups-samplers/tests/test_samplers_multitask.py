@@ -6,7 +6,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import attrs
 import pytest
@@ -128,24 +128,35 @@ def test_each_rank_holds_its_share_of_every_task(case: TaskCase) -> None:
 # -- what each task contributes -------------------------------------------------------------
 
 
+def windows(case: TaskCase) -> list[int]:
+    """Each task's stretch of its stream an epoch reads: its count on one rank (at least 1)."""
+    return [max(count, 1) for count in multitask(case, 0, num_replicas=1).counts()]
+
+
 @profile
 @given(task_cases(), st.integers(1, 3))
 def test_epochs_run_through_passes_over_each_task_without_repeats(
     case: TaskCase, epochs: int
 ) -> None:
-    """Epochs 0 .. epochs-1 take a task's stream of passes from its start: every sample of the
-    task as often as every other, give or take one, and only samples of the task."""
+    """Epochs 0 .. epochs-1 read a task's stream of passes from its start, an epoch the
+    task's count on one rank ``w``: every sample of the task as often as every other, give or
+    take one, but for the epochs' padding to the world (``c - w`` repeats an epoch; with
+    ``drop_last``, ``c`` may fall short of ``w``: the window's rest is left out), and only
+    samples of the task."""
     counts = multitask(case, 0).counts()
     seen: Counter[int] = Counter()
     for epoch in range(epochs):
         seen.update(i for share in draw(case, epoch) for i in share)
-    for task, (start, size) in enumerate(zip(case.offsets, case.sizes, strict=True)):
-        taken = epochs * counts[task]
-        times = Counter(seen[i] for i in range(start, start + size))
-        # taken // size full passes, and taken % size samples of the next one, each once.
-        expected = Counter({taken // size: size - taken % size, taken // size + 1: taken % size})
-        assert times == +expected
-    assert sum(seen.values()) == epochs * sum(counts)
+    for task, (start, size, window) in enumerate(
+        zip(case.offsets, case.sizes, windows(case), strict=True)
+    ):
+        times = [seen[i] for i in range(start, start + size)]
+        assert sum(times) == epochs * counts[task]
+        if counts[task] >= window:  # the whole window, then repeats of its start
+            read = epochs * window
+            assert min(times) >= read // size
+            padding = epochs * (counts[task] - window)
+            assert sum(max(0, t - -(-read // size)) for t in times) <= padding
     assert all(case.task_of(i) >= 0 for i in seen)
 
 
@@ -154,14 +165,64 @@ def test_epochs_run_through_passes_over_each_task_without_repeats(
 def test_without_shuffle_an_epoch_takes_the_next_samples_of_each_task_in_order(
     case: TaskCase,
 ) -> None:
+    """Epoch ``e`` reads a task's samples ``e·w .. e·w + w - 1`` of its stream (``w``: the
+    task's count on one rank), padded to the world from their start."""
     case = attrs.evolve(case, shuffle=False)
     counts = multitask(case, 0).counts()
     seen = Counter(i for share in draw(case) for i in share)
     expected: Counter[int] = Counter()
-    for task, (start, size) in enumerate(zip(case.offsets, case.sizes, strict=True)):
-        first = case.epoch * counts[task]
-        expected.update(start + (first + k) % size for k in range(counts[task]))
+    for task, (start, size, window) in enumerate(
+        zip(case.offsets, case.sizes, windows(case), strict=True)
+    ):
+        first = case.epoch * window
+        expected.update(start + (first + k % window) % size for k in range(counts[task]))
     assert seen == expected
+
+
+@settings(settings.get_profile("ups-samplers"), max_examples=25)
+@given(
+    st.lists(st.one_of(st.integers(1, 5), st.integers(1, 300)), min_size=1, max_size=4),
+    st.integers(1, 8),
+    st.integers(1, 8),
+    st.integers(0, 2**40),
+    st.integers(3, 4),
+    st.floats(0, 1),
+)
+@example([212], 3, 2, 898357, 4, 0.5).via("issue 18: the padding drew from the next pass")
+def test_proportional_sum_epochs_are_full_passes_and_resume_anywhere_on_the_rest(
+    sizes: list[int], world: int, new_world: int, seed: int, epochs: int, stop: float
+) -> None:
+    """With the defaults (``proportional``, ``sum``), every epoch holds every sample, its
+    padding to the world repeating fewer than ``world`` of that epoch's own (as torch's
+    ``DistributedSampler`` pads), never drawing ahead: epoch after epoch, each is a pass.
+    Stopped part-way (``stop``) through the last epoch and resumed on another world size, the
+    rest holds exactly the samples not taken yet, and fewer than ``new_world`` repeats."""
+    every = Counter(range(sum(sizes)))
+
+    def ranks(num: int, epoch: int, state: dict[str, Any] | None = None) -> list[Any]:
+        samplers = [MultiTaskDistributedSampler(sizes, num, r, seed=seed) for r in range(num)]
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            if state is not None:
+                sampler.load_state_dict(state)
+        return samplers
+
+    for epoch in range(epochs):
+        epoch_samples = Counter(i for sampler in ranks(world, epoch) for i in sampler)
+        assert not every - epoch_samples  # every sample, in every epoch
+        assert (epoch_samples - every).total() == -sum(sizes) % world  # padding, of its own
+    first = ranks(world, epochs - 1)
+    k = int(stop * len(first[0]))
+    taken: Counter[int] = Counter()
+    for sampler in first:
+        taken.update(itertools.islice(iter(sampler), k))
+    rest = Counter(
+        i for sampler in ranks(new_world, epochs - 1, first[0].state_dict()) for i in sampler
+    )
+    left = epoch_samples - taken
+    assert not left - rest  # every sample not taken yet, as often as it was left
+    assert (rest - left).total() < new_world  # and padding only
+    assert set(taken) | set(rest) == set(every)
 
 
 @profile

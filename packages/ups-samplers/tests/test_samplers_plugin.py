@@ -18,7 +18,7 @@ def test_the_entry_point_registers_the_tensor_sampler() -> None:
     registry = load_plugins()
     provided = registry.records("sampler")["tensor"]
     assert provided.plugin == "ups-samplers"
-    assert provided.record.options is TensorSamplerOptions
+    assert registry.get("sampler", "tensor", "sampler.name").options is TensorSamplerOptions
     info = next(p for p in registry.plugins if p.name == "ups-samplers")
     assert (info.distribution, info.status) == ("ups-samplers", "enabled")
 

@@ -25,8 +25,7 @@ from typing import Any, Literal
 import attrs
 import structlog
 
-from ups.core import Config, RunContext, SectionPlugin, TrainResult, hookimpl
-from ups.core.report import plot, read_metrics, summary
+from ups.core import Config, RunContext, SectionPlugin, TrainResult, hookimpl, write_report
 
 log = structlog.get_logger()
 
@@ -118,12 +117,9 @@ class MlflowTracker:
             assert self.config is not None
             for key, value in attrs.asdict(result, filter=_summary_field).items():
                 self.client.set_tag(self.run_id, f"ups.{key}", str(value))
-            records = read_metrics(self.config.run_dir)
-            figure = self.config.run_dir / "report.png"
-            plot(records, figure, self.config.run.name)
+            figure, table = write_report(self.config.run_dir)
             self.client.log_artifact(self.run_id, str(figure))
-            text = summary(records, self.config.run.name)
-            self.client.log_text(self.run_id, text, "summary.txt")
+            self.client.log_text(self.run_id, table, "summary.txt")
             status = "KILLED" if result.preempted else "FINISHED"
             self.client.set_terminated(self.run_id, status)
 

@@ -16,11 +16,14 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from ups.core import CommandPlugin, ConfigError, RunContext, UsageError, decide, hookimpl
+from ups.core import CommandPlugin, ConfigError, UsageError, hookimpl
 
 from . import link
+
+if TYPE_CHECKING:
+    from ups.core import RunContext
 
 
 def sweep_command(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
@@ -99,6 +102,8 @@ def _prune(
             f"{kind} metrics have no {name!r}; they have: {', '.join(sorted(metrics))}",
         )
     value = metrics[name]
+    from ups.core import decide  # imports torch: in a rank, never in the command line
+
     if decide(ctx, lambda: link.report(trial, step, value)):
         raise link.TrialPrunedError(f"trial pruned at step {step}: {kind} {name} = {value:.6g}")
 

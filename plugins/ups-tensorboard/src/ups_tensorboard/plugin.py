@@ -16,15 +16,23 @@ disables it.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import structlog
-from torch.utils.tensorboard import SummaryWriter
 
-from ups.core import Config, RunContext, TrainResult, hookimpl
+from ups.core import hookimpl
+
+if TYPE_CHECKING:  # torch's TensorBoard writer is imported by the run that writes, not by `ups`
+    from torch.utils.tensorboard import SummaryWriter
+
+    from ups.core import Config, RunContext, TrainResult
+
+if importlib.util.find_spec("tensorboard") is None:  # found without importing it (or torch)
+    raise ImportError("ups-tensorboard needs the tensorboard package: pip install tensorboard")
 
 log = structlog.get_logger()
 
@@ -55,6 +63,8 @@ class TensorBoardLogger:
     def start(self, ctx: RunContext, folder: Path) -> None:
         """Open the run's event file in ``folder`` (rank 0)."""
         if ctx.is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
             self.writer = SummaryWriter(log_dir=str(folder))
             log.info("tensorboard", logdir=str(folder))
 

@@ -37,8 +37,9 @@ from ups.core import (
     UsageError,
     above,
     hookimpl,
+    read_metrics,
+    write_report,
 )
-from ups.core.report import Record, plot, read_metrics
 
 log = structlog.get_logger()
 
@@ -73,7 +74,7 @@ class WandbTracker:
     def __init__(self) -> None:
         self.config: Config | None = None
         """The run's config while the tracker logs (rank 0, with a ``plugins.wandb`` section)."""
-        self.resumed: list[Record] | None = None
+        self.resumed: list[dict[str, Any]] | None = None
         """When the run resumed: the reports ``metrics.jsonl`` held then."""
         self.run: Any = None
 
@@ -102,11 +103,10 @@ class WandbTracker:
         def finish() -> None:
             assert self.config is not None
             self.run.summary.update(
-                {f"ups/{k}": v for k, v in attrs.asdict(result).items() if k != "metrics"}
+                {f"ups/{k}": v for k, v in attrs.asdict(result).items() if "metrics" not in k}
             )
-            folder = self.config.run_dir
-            plot(read_metrics(folder), folder / "report.png", self.config.run.name)
-            self.run.save(str(folder / "report.png"), base_path=str(folder), policy="now")
+            figure, _ = write_report(self.config.run_dir)
+            self.run.save(str(figure), base_path=str(self.config.run_dir), policy="now")
             self.run.finish(exit_code=0)
 
         self._call("finish the run", finish)

@@ -5,20 +5,43 @@ atomically (a ``COMMIT`` manifest with each file's size and CRC-32, a rename, a 
 pointer); see :mod:`ups.ckpt.local`. Select it in the config with
 ``checkpoint: {name: local, options: {keep_last: 3}}``; ``async_save: true`` writes in the
 background (:mod:`ups.ckpt.background`).
+
+In a loop of one's own, :func:`checkpointer` builds one from a folder or URL and options (see
+docs/own-loop.md).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .background import InBackground, Stager, stage
-from .errors import CheckpointError, UnsafeCheckpointError
-from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
-from .manifest import Manifest
-from .remote import FsspecCheckpointer, FsspecCheckpointOptions
-from .retention import expired
-from .serialize import FileRecord
+from ups.core import lazy_exports
 
 if TYPE_CHECKING:
+    from ._by_path import checkpointer
+    from .background import InBackground, Stager, stage
+    from .errors import CheckpointError, UnsafeCheckpointError
+    from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
+    from .manifest import Manifest
+    from .remote import FsspecCheckpointer, FsspecCheckpointOptions
+    from .retention import expired
+    from .serialize import FileRecord
     from .sharded import ShardedCheckpointer
+
+_EXPORTS = {
+    "checkpointer": "._by_path",
+    "InBackground": ".background",
+    "Stager": ".background",
+    "stage": ".background",
+    "CheckpointError": ".errors",
+    "UnsafeCheckpointError": ".errors",
+    "Committed": ".local",
+    "LocalCheckpointer": ".local",
+    "LocalCheckpointOptions": ".local",
+    "Manifest": ".manifest",
+    "FsspecCheckpointer": ".remote",
+    "FsspecCheckpointOptions": ".remote",
+    "expired": ".retention",
+    "FileRecord": ".serialize",
+    "ShardedCheckpointer": ".sharded",
+}
 
 __all__ = [
     "CheckpointError",
@@ -33,16 +56,9 @@ __all__ = [
     "ShardedCheckpointer",
     "Stager",
     "UnsafeCheckpointError",
+    "checkpointer",
     "expired",
     "stage",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """``ShardedCheckpointer`` on first use: its module imports torch.distributed.checkpoint,
-    half a second that a run not using ``sharded`` should not pay on every rank."""
-    if name == "ShardedCheckpointer":
-        from .sharded import ShardedCheckpointer
-
-        return ShardedCheckpointer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

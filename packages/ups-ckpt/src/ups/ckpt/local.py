@@ -37,8 +37,7 @@ import attrs
 import structlog
 import torch.distributed as dist
 
-from ups.core import Loaded, RunContext, at_least
-from ups.core.files import fsync_dir, write_atomically
+from ups.core import Loaded, RunContext, at_least, fsync_dir, write_atomically
 
 from .errors import CheckpointError, agree, on_main
 from .manifest import MANIFEST, Manifest

@@ -1,18 +1,22 @@
-"""The ``ups-ckpt`` plugin: registers its checkpoint backends with the ups engine."""
+"""The ``ups-ckpt`` plugin: registers its checkpoint backends with the ups engine.
+
+The backends' modules (and torch; ``sharded``: torch.distributed.checkpoint) are imported
+when a backend is built, not when listed.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch.distributed as dist
+from ups.core import CheckpointBackendPlugin, hookimpl, imported
 
-from ups.core import CheckpointBackendPlugin, Checkpointer, RunContext, hookimpl
-from ups.core.records import CheckpointFactory
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
-from .background import InBackground, Locating
-from .local import LocalCheckpointer, LocalCheckpointOptions
-from .remote import FsspecCheckpointer, FsspecCheckpointOptions
+    from ups.core import Checkpointer, CheckpointFactory, RunContext
+
+    from .background import Locating
 
 
 class _Backend(Protocol):
@@ -33,6 +37,8 @@ def backend(build: _Backend) -> CheckpointFactory:
     (:class:`~ups.ckpt.background.InBackground`) when ``options.async_save``."""
 
     def factory(*, ctx: RunContext, directory: Path, options: Any) -> Checkpointer:
+        from .background import InBackground
+
         def make(group: dist.ProcessGroup | None) -> Locating:
             return build(ctx=ctx, directory=directory, options=options, group=group)
 
@@ -41,21 +47,9 @@ def backend(build: _Backend) -> CheckpointFactory:
     return factory
 
 
-local_backend = backend(LocalCheckpointer)
-
-
-def _sharded(
-    *, ctx: RunContext, directory: Path, options: Any, group: dist.ProcessGroup | None = None
-) -> Locating:
-    """A :class:`~ups.ckpt.sharded.ShardedCheckpointer`, its module (and with it
-    torch.distributed.checkpoint) imported only when the ``sharded`` backend is chosen."""
-    from .sharded import ShardedCheckpointer
-
-    return ShardedCheckpointer(ctx=ctx, directory=directory, options=options, group=group)
-
-
-sharded_backend = backend(_sharded)
-fsspec_backend = backend(FsspecCheckpointer)
+local_backend = backend(imported("ups.ckpt.local:LocalCheckpointer"))
+sharded_backend = backend(imported("ups.ckpt.sharded:ShardedCheckpointer"))
+fsspec_backend = backend(imported("ups.ckpt.remote:FsspecCheckpointer"))
 
 
 @hookimpl
@@ -64,19 +58,19 @@ def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
         CheckpointBackendPlugin(
             name="local",
             factory=local_backend,
-            options=LocalCheckpointOptions,
+            options=imported("ups.ckpt.local:LocalCheckpointOptions"),
             description="a folder per checkpoint, per-rank files, committed atomically",
         ),
         CheckpointBackendPlugin(
             name="sharded",
             factory=sharded_backend,
-            options=LocalCheckpointOptions,
+            options=imported("ups.ckpt.local:LocalCheckpointOptions"),
             description="as local, each rank writing its share of the state with torch DCP",
         ),
         CheckpointBackendPlugin(
             name="fsspec",
             factory=fsspec_backend,
-            options=FsspecCheckpointOptions,
+            options=imported("ups.ckpt.remote:FsspecCheckpointOptions"),
             description="S3, GCS, Azure or a path through fsspec, committed by a manifest",
         ),
     ]

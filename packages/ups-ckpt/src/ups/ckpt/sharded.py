@@ -51,8 +51,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ups.core import RunContext, decide, gather_failures
-from ups.core.files import fsync_dir
+from ups.core import RunContext, decide, fsync_dir, gather_failures
 
 from .errors import CheckpointError, UnsafeCheckpointError
 from .local import LocalCheckpointer, _read, _write

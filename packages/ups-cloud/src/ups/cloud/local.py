@@ -39,11 +39,18 @@ from typing import Any, Literal
 import attrs
 import structlog
 
-from ups.core import LaunchRequest, UsageError, above
-from ups.core.config import Config, load_config
-from ups.core.files import write_atomically
-from ups.core.launch import AGENT_ENV, agent_args, train_args
-from ups.core.testing import free_port
+from ups.core import (
+    AGENT_ENV,
+    Config,
+    LaunchRequest,
+    UsageError,
+    above,
+    agent_args,
+    free_port,
+    load_config,
+    train_args,
+    write_atomically,
+)
 
 from . import _procs
 from ._runner import EXIT_FILE, LOG_FILE

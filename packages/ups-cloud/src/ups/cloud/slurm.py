@@ -48,11 +48,18 @@ from typing import Literal
 import attrs
 import structlog
 
-from ups.core import LaunchRequest, UsageError, above, at_least
-from ups.core.cli import EXIT_PREEMPTED
-from ups.core.config import load_config
-from ups.core.files import write_atomically
-from ups.core.launch import agent_args, agent_exports, train_args
+from ups.core import (
+    EXIT_PREEMPTED,
+    LaunchRequest,
+    UsageError,
+    above,
+    agent_args,
+    agent_exports,
+    at_least,
+    load_config,
+    train_args,
+    write_atomically,
+)
 
 log = structlog.get_logger()
 

@@ -51,8 +51,7 @@ from typing import Literal
 
 import attrs
 
-from ups.core import LaunchRequest, UsageError
-from ups.core.launch import agent_args, agent_exports, train_args
+from ups.core import LaunchRequest, UsageError, agent_args, agent_exports, train_args
 
 LOG_FILE = "startup.log"
 """The script's log, in the run folder: the output of every step, training's included."""

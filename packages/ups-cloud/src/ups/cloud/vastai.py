@@ -48,8 +48,7 @@ from typing import Any, Literal, TypeVar
 import attrs
 import structlog
 
-from ups.core import LaunchRequest, UsageError
-from ups.core.config import load_config
+from ups.core import LaunchRequest, UsageError, load_config
 
 from ._secrets import ApiKey
 from .startup import (

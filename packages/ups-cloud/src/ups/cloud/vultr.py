@@ -58,8 +58,7 @@ import structlog
 from requests.adapters import HTTPAdapter  # type: ignore[import-untyped, unused-ignore]
 from urllib3.util.retry import Retry
 
-from ups.core import LaunchRequest, UsageError, above
-from ups.core.config import load_config
+from ups.core import LaunchRequest, UsageError, above, load_config
 
 from ._secrets import ApiKey
 from .startup import (

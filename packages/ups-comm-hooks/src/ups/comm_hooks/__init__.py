@@ -11,25 +11,57 @@
 
 Every hook counts the bytes it hands to collectives (:class:`Traffic`); the engine reports them
 per step next to plain all-reduce's, and with ``profile: true`` each bucket's time and bytes.
+
+In a loop of one's own, :func:`register_hook` registers a hook by name on a DDP model and returns
+its state (see docs/own-loop.md).
 """
 
-from ._compress import (
-    CompressionHook,
-    CompressionState,
-    allreduce,
-    bf16_compression,
-    compress_hook,
-    fp16_compression,
-)
-from ._powersgd import (
-    PowerSGDHookState,
-    PowerSGDOptions,
-    batched_powersgd_compression,
-    powersgd_compression,
-    powersgd_hook,
-)
-from ._topk import SparseLayout, TopKOptions, TopKState, topk_compression, topk_hook
-from ._traffic import HookOptions, Traffic, register
+from typing import TYPE_CHECKING
+
+from ups.core import lazy_exports
+
+if TYPE_CHECKING:
+    from ._by_name import register_hook
+    from ._compress import (
+        CompressionHook,
+        CompressionState,
+        allreduce,
+        bf16_compression,
+        compress_hook,
+        fp16_compression,
+    )
+    from ._powersgd import (
+        PowerSGDHookState,
+        PowerSGDOptions,
+        batched_powersgd_compression,
+        powersgd_compression,
+        powersgd_hook,
+    )
+    from ._topk import SparseLayout, TopKOptions, TopKState, topk_compression, topk_hook
+    from ._traffic import HookOptions, Traffic, register
+
+_EXPORTS = {
+    "register_hook": "._by_name",
+    "CompressionHook": "._compress",
+    "CompressionState": "._compress",
+    "allreduce": "._compress",
+    "bf16_compression": "._compress",
+    "compress_hook": "._compress",
+    "fp16_compression": "._compress",
+    "PowerSGDHookState": "._powersgd",
+    "PowerSGDOptions": "._powersgd",
+    "batched_powersgd_compression": "._powersgd",
+    "powersgd_compression": "._powersgd",
+    "powersgd_hook": "._powersgd",
+    "SparseLayout": "._topk",
+    "TopKOptions": "._topk",
+    "TopKState": "._topk",
+    "topk_compression": "._topk",
+    "topk_hook": "._topk",
+    "HookOptions": "._traffic",
+    "Traffic": "._traffic",
+    "register": "._traffic",
+}
 
 __all__ = [
     "CompressionHook",
@@ -49,6 +81,9 @@ __all__ = [
     "powersgd_compression",
     "powersgd_hook",
     "register",
+    "register_hook",
     "topk_compression",
     "topk_hook",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,13 +1,11 @@
-"""The ``ups-comm-hooks`` plugin: registers the communication hooks of this distribution."""
+"""The ``ups-comm-hooks`` plugin: registers the communication hooks of this distribution.
+
+The hooks' modules (and torch) are imported when a hook is selected, not when listed.
+"""
 
 from __future__ import annotations
 
-from ups.core import CommHookPlugin, hookimpl
-
-from ._compress import allreduce, bf16_compression, fp16_compression
-from ._powersgd import PowerSGDOptions, batched_powersgd_compression, powersgd_compression
-from ._topk import TopKOptions, topk_compression
-from ._traffic import HookOptions
+from ups.core import CommHookPlugin, hookimpl, imported
 
 
 @hookimpl
@@ -15,38 +13,38 @@ def ups_comm_hooks() -> list[CommHookPlugin]:
     return [
         CommHookPlugin(
             name="allreduce",
-            factory=allreduce,
-            options=HookOptions,
+            factory=imported("ups.comm_hooks._compress:allreduce"),
+            options=imported("ups.comm_hooks._traffic:HookOptions"),
             description="gradients averaged as DDP does, counted (and timed with profile: true)",
         ),
         CommHookPlugin(
             name="bf16",
-            factory=bf16_compression,
-            options=HookOptions,
+            factory=imported("ups.comm_hooks._compress:bf16_compression"),
+            options=imported("ups.comm_hooks._traffic:HookOptions"),
             description="gradients averaged in bfloat16: half the bytes, any backend",
         ),
         CommHookPlugin(
             name="fp16",
-            factory=fp16_compression,
-            options=HookOptions,
+            factory=imported("ups.comm_hooks._compress:fp16_compression"),
+            options=imported("ups.comm_hooks._traffic:HookOptions"),
             description="gradients averaged in float16: half the bytes, any backend",
         ),
         CommHookPlugin(
             name="powersgd",
-            factory=powersgd_compression,
-            options=PowerSGDOptions,
+            factory=imported("ups.comm_hooks._powersgd:powersgd_compression"),
+            options=imported("ups.comm_hooks._powersgd:PowerSGDOptions"),
             description="torch's PowerSGD low-rank compression, with a state that resumes exactly",
         ),
         CommHookPlugin(
             name="batched_powersgd",
-            factory=batched_powersgd_compression,
-            options=PowerSGDOptions,
+            factory=imported("ups.comm_hooks._powersgd:batched_powersgd_compression"),
+            options=imported("ups.comm_hooks._powersgd:PowerSGDOptions"),
             description="PowerSGD of each whole bucket as one square matrix: fewer, larger kernels",
         ),
         CommHookPlugin(
             name="topk",
-            factory=topk_compression,
-            options=TopKOptions,
+            factory=imported("ups.comm_hooks._topk:topk_compression"),
+            options=imported("ups.comm_hooks._topk:TopKOptions"),
             description="top-k sparsification with error feedback: about 2*ratio of the bytes",
         ),
     ]

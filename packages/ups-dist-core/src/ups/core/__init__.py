@@ -1,33 +1,119 @@
-"""ups-dist-core: the engine of ups — run context, config, training loop, plugin contract, CLI."""
+"""ups-dist-core: the engine of ups — run context, config, training loop, plugin contract, CLI.
 
-from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
-from .config import Config, config_from_mapping, load_config, read_yaml
-from .context import RunContext, distributed_session
-from .engine import TrainResult
-from .errors import ConfigError, UsageError
-from .launch import run_processes, train
-from .markers import hookimpl
-from .plugins import Registry, load_plugins
-from .records import (
-    TERMINAL,
-    CheckpointBackendPlugin,
-    Checkpointer,
-    CommandPlugin,
-    CommHookPlugin,
-    Launcher,
-    LauncherPlugin,
-    LaunchRequest,
-    Loaded,
-    NoOptions,
-    SamplerPlugin,
-    SectionPlugin,
-)
-from .step import Step, StepError
-from .structure import above, at_least, structure
+Its names are imported when first used (PEP 562), so that ``import ups.core`` (the command line,
+a plugin module) does not import torch until something that needs it is used, and a hand-written
+loop using its parts (:class:`RunContext` and :func:`distributed_session`, :func:`decide`,
+:class:`LossWindow`, :class:`Preemption`, :class:`Watchdog`) never imports the engine (see
+docs/own-loop.md).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .lazy import imported, lazy_exports, resolved
+from .structure import above, at_least, structure  # eager: ``structure`` is a module's name too
+
+if TYPE_CHECKING:
+    from .cli import EXIT_PREEMPTED
+    from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
+    from .config import Config, config_from_mapping, load_config, read_yaml
+    from .context import RunContext, distributed_session
+    from .errors import ConfigError, UsageError, did_you_mean, one_of
+    from .files import fsync_dir, write_atomically
+    from .launch import (
+        AGENT_ENV,
+        agent_args,
+        agent_exports,
+        free_port,
+        run_processes,
+        train,
+        train_args,
+    )
+    from .markers import hookimpl
+    from .metrics import LossWindow, PendingReport
+    from .plugins import Registry, load_plugins
+    from .preemption import Preemption
+    from .records import (
+        TERMINAL,
+        CheckpointBackendPlugin,
+        Checkpointer,
+        CheckpointFactory,
+        CommandPlugin,
+        CommHookPlugin,
+        Launcher,
+        LauncherPlugin,
+        LaunchRequest,
+        Loaded,
+        NoOptions,
+        SamplerPlugin,
+        SectionPlugin,
+        TrainResult,
+    )
+    from .report import read_metrics, write_report
+    from .step import Step, StepError
+    from .watchdog import Watchdog
+
+_EXPORTS = {
+    "Failure": ".collectives",
+    "RankFailedError": ".collectives",
+    "all_mean": ".collectives",
+    "decide": ".collectives",
+    "gather_failures": ".collectives",
+    "Config": ".config",
+    "config_from_mapping": ".config",
+    "load_config": ".config",
+    "read_yaml": ".config",
+    "RunContext": ".context",
+    "distributed_session": ".context",
+    "EXIT_PREEMPTED": ".cli",
+    "ConfigError": ".errors",
+    "UsageError": ".errors",
+    "did_you_mean": ".errors",
+    "one_of": ".errors",
+    "fsync_dir": ".files",
+    "write_atomically": ".files",
+    "AGENT_ENV": ".launch",
+    "agent_args": ".launch",
+    "agent_exports": ".launch",
+    "free_port": ".launch",
+    "run_processes": ".launch",
+    "train": ".launch",
+    "train_args": ".launch",
+    "hookimpl": ".markers",
+    "LossWindow": ".metrics",
+    "PendingReport": ".metrics",
+    "Preemption": ".preemption",
+    "Watchdog": ".watchdog",
+    "Registry": ".plugins",
+    "load_plugins": ".plugins",
+    "CheckpointBackendPlugin": ".records",
+    "Checkpointer": ".records",
+    "CheckpointFactory": ".records",
+    "CommHookPlugin": ".records",
+    "CommandPlugin": ".records",
+    "LaunchRequest": ".records",
+    "Launcher": ".records",
+    "LauncherPlugin": ".records",
+    "Loaded": ".records",
+    "NoOptions": ".records",
+    "SamplerPlugin": ".records",
+    "SectionPlugin": ".records",
+    "TERMINAL": ".records",
+    "TrainResult": ".records",
+    "read_metrics": ".report",
+    "write_report": ".report",
+    "Step": ".step",
+    "StepError": ".step",
+}
+"""Each public name and the module of this package that defines it."""
 
 __all__ = [
+    "AGENT_ENV",
+    "EXIT_PREEMPTED",
     "TERMINAL",
     "CheckpointBackendPlugin",
+    "CheckpointFactory",
     "Checkpointer",
     "CommandPlugin",
     "CommHookPlugin",
@@ -38,7 +124,10 @@ __all__ = [
     "Launcher",
     "LauncherPlugin",
     "Loaded",
+    "LossWindow",
     "NoOptions",
+    "PendingReport",
+    "Preemption",
     "RankFailedError",
     "Registry",
     "RunContext",
@@ -48,18 +137,34 @@ __all__ = [
     "StepError",
     "TrainResult",
     "UsageError",
+    "Watchdog",
     "above",
+    "agent_args",
+    "agent_exports",
     "all_mean",
     "at_least",
     "config_from_mapping",
     "decide",
+    "did_you_mean",
     "distributed_session",
+    "free_port",
+    "fsync_dir",
     "gather_failures",
     "hookimpl",
+    "imported",
+    "lazy_exports",
     "load_config",
     "load_plugins",
+    "one_of",
+    "read_metrics",
     "read_yaml",
+    "resolved",
     "run_processes",
     "structure",
     "train",
+    "train_args",
+    "write_atomically",
+    "write_report",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,22 +1,26 @@
 """The built-in plugin (``ups-dist-core``): torch's defaults, so a bare install trains.
 
 Registered like any other plugin, with ``trylast=True`` so a third party can override them.
+Importing it, or listing its records, imports no torch (see docs/plugins.md): the factories
+import what they build from, or are named with :func:`~ups.core.imported`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sized
+from typing import TYPE_CHECKING
 
 import attrs
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DistributedSampler
 
-from .context import RunContext
-from .evaluation import shard_sampler
+from .lazy import imported
 from .markers import hookimpl_default
-from .profiling import gradient_bytes
 from .records import CheckpointBackendPlugin, CommHookPlugin, SamplerPlugin
-from .simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DistributedSampler
+
+    from .context import RunContext
 
 
 @attrs.frozen(kw_only=True)
@@ -31,6 +35,8 @@ def torch_sampler(
     dataset: Sized, *, ctx: RunContext, seed: int, options: TorchSamplerOptions
 ) -> DistributedSampler[int]:
     """``torch.utils.data.DistributedSampler`` for this rank."""
+    from torch.utils.data import DistributedSampler
+
     return DistributedSampler(
         dataset,  # type: ignore[arg-type]
         num_replicas=ctx.world_size,
@@ -45,6 +51,8 @@ class DDPAllReduce:
     """The state of the ``none`` hook: DDP's own all-reduce sends every gradient each step."""
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
+        from .profiling import gradient_bytes
+
         self._bytes = float(gradient_bytes(ddp))
 
     def comm_metrics(self, steps: int) -> dict[str, float]:
@@ -68,7 +76,7 @@ def ups_samplers() -> list[SamplerPlugin]:
         ),
         SamplerPlugin(
             name="shard",
-            factory=shard_sampler,
+            factory=imported("ups.core.evaluation:shard_sampler"),
             exact=True,
             description="for evaluation: rank r takes samples r, r+W, ..., each exactly once",
         ),
@@ -85,8 +93,8 @@ def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
     return [
         CheckpointBackendPlugin(
             name="simple",
-            factory=SimpleCheckpointer,
-            options=SimpleCheckpointOptions,
+            factory=imported("ups.core.simple_checkpoint:SimpleCheckpointer"),
+            options=imported("ups.core.simple_checkpoint:SimpleCheckpointOptions"),
             description="one torch.save file per checkpoint, written atomically by rank 0",
         )
     ]

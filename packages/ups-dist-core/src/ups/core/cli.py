@@ -3,6 +3,10 @@
 :mod:`ups.core.launch_record`), and the commands plugins add (``ups_commands``).
 
 Usage errors (bad config, unknown plugin, missing file) print one line and exit with status 2.
+
+Commands that do not train import neither torch nor the engine (the modules that need torch are
+imported by the commands that use them), so that ``ups --help``, ``plugins``, ``status`` and the
+like answer at once.
 """
 
 from __future__ import annotations
@@ -15,15 +19,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import structlog
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from . import launch, logs
+from . import logs
 from .config import Config, load_config
-from .context import RunContext, launched
 from .errors import UsageError
 from .launch_record import (
     DEFAULT_RUN_DIR,
@@ -37,8 +38,9 @@ from .launch_record import (
 )
 from .plugins import FAMILIES, Registry, load_plugins
 from .records import TERMINAL, CommandPlugin, Launcher, LaunchRequest
-from .rundir import PREEMPTED
-from .validate import validate
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_PREEMPTED = 75
@@ -55,6 +57,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _count(text: str) -> int:
+    """A count of processes or machines: a whole number >= 1 (``--nproc``, ``--nnodes``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
 def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = _Parser(prog="ups", description="DDP training done right, from one YAML file.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -62,7 +75,7 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a config, on --nproc local processes")
     train.add_argument("config", type=Path, help="the run's YAML file")
     train.add_argument(
-        "--nproc", type=int, help="processes on this machine (default: distributed.nproc)"
+        "--nproc", type=_count, help="processes on this machine (default: distributed.nproc)"
     )
     train.add_argument(
         "--profile",
@@ -92,14 +105,14 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         "tune", help="find the largest per-rank batch size that fits on every rank"
     )
     tune.add_argument("config", type=Path)
-    tune.add_argument("--nproc", type=int, help="processes on this machine")
+    tune.add_argument("--nproc", type=_count, help="processes on this machine")
     tune.add_argument("--start", type=int, default=1, help="the first batch size to try")
     tune.add_argument("--limit", type=int, help="the largest to try (default: a rank's data)")
     _overrides(tune)
 
     check = commands.add_parser("validate", help="check a config without training")
     check.add_argument("config", type=Path)
-    check.add_argument("--nproc", type=int, help="check for this many processes")
+    check.add_argument("--nproc", type=_count, help="check for this many processes")
     _overrides(check)
 
     commands.add_parser("plugins", help="list the plugins found and what they provide")
@@ -123,9 +136,9 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         "--launcher", metavar="NAME", help="the launcher plugin (default: the config's launch.name)"
     )
     launch_.add_argument(
-        "--nproc", type=int, help="processes per machine (default: distributed.nproc)"
+        "--nproc", type=_count, help="processes per machine (default: distributed.nproc)"
     )
-    launch_.add_argument("--nnodes", type=int, default=1, help="machines (default: 1)")
+    launch_.add_argument("--nnodes", type=_count, default=1, help="machines (default: 1)")
     launch_.add_argument(
         "--dry-run",
         action="store_true",
@@ -184,7 +197,7 @@ def _overrides(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ups`` command line; return its exit status."""
-    logs.configure(RunContext())  # until a run knows its rank
+    logs.configure(None)  # until a run knows its rank
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = _parser(argv).parse_args(argv)
@@ -196,31 +209,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LauncherError as error:
         print(f"ups: error: {error}", file=sys.stderr)
         return EXIT_FAILED
-    except ChildFailedError as error:
-        # Each failed rank, first to fail first: the message its error file holds (see
-        # _train), else how the process ended.
-        for rank, failure in sorted(error.failures.items(), key=lambda f: f[1].timestamp):
-            message = failure.message
-            if isinstance(message, dict):
-                message = message.get("message", "")
-            print(
-                f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}",
-                file=sys.stderr,
-            )
-        # Ranks refused bad input (a usage error: exit 2 in the rank), and any other rank was
-        # stopped by a signal (the launcher ending the job): so does ups.
-        codes = [failure.exitcode for failure in error.failures.values()]
-        usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
-        return EXIT_USAGE if usage else EXIT_FAILED
-    except SignalException as error:
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:
+        if "torch" not in sys.modules:  # not an error of torch's elastic agent: a bug
+            raise
+        return _agent_failure(error)
+
+
+def _agent_failure(error: Exception) -> int:
+    """The exit status for an error of torch's elastic agent (``ups train --nproc``, or a
+    plugin's command that trains), printed in one line per rank; any other error is raised."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if isinstance(error, ChildFailedError):
+        return _failed(error)
+    if isinstance(error, SignalException):
         # The agent was signalled with a signal ranks do not save on: it passed it on to them.
         print(f"ups: stopped by {signal.Signals(error.sigval).name}", file=sys.stderr)
         return 128 + error.sigval
-    except KeyboardInterrupt:
-        return 130
+    raise error
+
+
+def _failed(error: ChildFailedError, logs_dir: Path | None = None) -> int:
+    """Print one line for each failed rank, first to fail first: the message its error file
+    holds (see :func:`_train`), else how the process ended, and the rank's log file in
+    ``logs_dir``, which holds its traceback, if there is one. Return the exit status."""
+    for rank, failure in sorted(error.failures.items(), key=lambda f: f[1].timestamp):
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        line = f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}"
+        log_file = None if logs_dir is None else logs_dir / f"rank{rank}.jsonl"
+        if log_file is not None and log_file.is_file():
+            line += f" (traceback: {log_file})"
+        print(line, file=sys.stderr)
+    # Ranks refused bad input (a usage error: exit 2 in the rank), and any other rank was
+    # stopped by a signal (the launcher ending the job): so does ups.
+    codes = [failure.exitcode for failure in error.failures.values()]
+    usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
+    return EXIT_USAGE if usage else EXIT_FAILED
 
 
 def _train(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from . import launch
+    from .context import launched
+
     if args.profile is not None:
         args.override.append(f"run.profile_steps={args.profile}")
     if args.allow_changed:
@@ -233,13 +270,28 @@ def _train(args: argparse.Namespace) -> int:
         _check(config, load_plugins(), nproc)
         if nproc > 1:
             return _train_on_processes(args, config, nproc)
-    # record: a launched rank's error goes to the file its elastic agent reads it from.
-    result = record(launch.train_in_place)(config)
+    # record: a launched rank's error goes to the file its elastic agent reads it from, and
+    # the agent's launcher prints it, one line: its traceback is in the rank's log file.
+    try:
+        result = record(launch.train_in_place)(config)
+    except UsageError:
+        raise
+    except Exception:
+        if logs.AGENT_ERROR_FILE not in os.environ:
+            raise
+        return EXIT_FAILED
     assert result is not None  # record returns what it wraps returns, or raises
     # Under an elastic agent a rank exits 0, else the agent would restart it; the agent's
     # process (ups train --nproc) tells the preemption.
     agent = "TORCHELASTIC_RUN_ID" in os.environ
+    if not agent:
+        _where_the_files_are(config)
     return EXIT_PREEMPTED if result.preempted and not agent else EXIT_OK
+
+
+def _where_the_files_are(config: Config) -> None:
+    """The closing line of ``ups train``: the run's folder, and how to plot it."""
+    print(f"ups: the run's files are in {config.run_dir}; plot them: ups report {config.run_dir}")
 
 
 def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) -> int:
@@ -248,12 +300,20 @@ def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) ->
     ``preempt_signals``); a run whose ranks saved and stopped for one (they exit 0, so that the
     agent does not restart them, and rank 0 leaves ``preempted.json``) exits with
     :data:`EXIT_PREEMPTED`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from . import launch
+    from .rundir import PREEMPTED
+
     preempt = {signal.Signals[name] for name in config.checkpoint.preempt_signals}
     previous = {sig: signal.signal(sig, _raise_signal_exception) for sig in preempt}
     record = config.run_dir / PREEMPTED
     how = ""
     try:
         launch.torchrun(args.config, nproc, args.override, config.distributed.max_restarts)
+    except ChildFailedError as error:
+        return _failed(error, config.run_dir / "logs")
     except SignalException as error:
         if error.sigval not in preempt or not record.is_file():
             raise
@@ -261,6 +321,7 @@ def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) ->
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    _where_the_files_are(config)
     if not record.is_file():
         return EXIT_OK
     step = json.loads(record.read_text())["step"]
@@ -274,12 +335,17 @@ def _train_on_processes(args: argparse.Namespace, config: Config, nproc: int) ->
 
 def _raise_signal_exception(signum: int, _frame: object) -> None:
     """What torch's agent does on SIGTERM: raise, so that it passes the signal to the ranks."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     raise SignalException(f"ups got signal {signum}", sigval=signal.Signals(signum))
 
 
 def _tune(args: argparse.Namespace) -> int:
     if args.start < 1 or (args.limit is not None and args.limit < args.start):
         raise UsageError(f"--start ({args.start}) must be >= 1 and --limit >= --start")
+    from . import launch
+    from .context import launched
+
     config = load_config(args.config, args.override)
     nproc = args.nproc or config.distributed.nproc
     if not launched():
@@ -298,6 +364,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _check(config: Config, registry: Registry, nproc: int | None) -> None:
+    from .validate import validate
+
     for warning in validate(config, registry, nproc):
         structlog.get_logger().warning(warning)
 
@@ -305,7 +373,8 @@ def _check(config: Config, registry: Registry, nproc: int | None) -> None:
 def _plugins(args: argparse.Namespace) -> int:
     registry = load_plugins()
     rows = [("FAMILY", "NAME", "PLUGIN", "DISTRIBUTION", "STATUS")]
-    versions = {p.name: f"{p.distribution} {p.version}".strip() for p in registry.plugins}
+    # A name's records are the enabled plugin's, never those of a same-named one that failed.
+    versions = {p.name: p.source for p in registry.plugins if p.status == "enabled"}
     for family in FAMILIES:
         for name, provided in sorted(registry.records(family).items()):
             rows.append(
@@ -314,7 +383,7 @@ def _plugins(args: argparse.Namespace) -> int:
     for plugin in registry.plugins:
         if plugin.status != "enabled":
             status = plugin.status + (f": {plugin.error}" if plugin.error else "")
-            rows.append(("-", "-", plugin.name, versions[plugin.name], status))
+            rows.append(("-", "-", plugin.name, plugin.source, status))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print(
@@ -324,22 +393,15 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import plot, read_metrics, run_name, summary
+    from .report import write_report
 
-    records = read_metrics(args.run_dir)
-    name = run_name(args.run_dir)
-    output = args.output or args.run_dir / "report.png"
-    plot(records, output, name)
-    print(summary(records, name))
+    output, table = write_report(args.run_dir, args.output)
+    print(table)
     print(f"plot: {output}")
     return EXIT_OK
 
 
 def _launch(args: argparse.Namespace) -> int:
-    if args.nproc is not None and args.nproc < 1:
-        raise UsageError(f"--nproc must be >= 1, not {args.nproc}")
-    if args.nnodes < 1:
-        raise UsageError(f"--nnodes must be >= 1, not {args.nnodes}")
     config = load_config(args.config, args.override)
     name = args.launcher or config.launch.name
     if name is None:

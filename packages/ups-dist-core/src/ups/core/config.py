@@ -297,8 +297,32 @@ class Config:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one mapping, which PyYAML would otherwise read as the last value."""
+
+
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading numbers as YAML 1.2 does (``3e-4`` is a float, not a string)."""
+    """PyYAML's safe loader, reading numbers as YAML 1.2 does (``3e-4`` is a float, not a
+    string), and refusing a key given twice in one mapping (YAML requires unique keys)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": merged keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = lines.get(key)
+            except TypeError:  # an unhashable key: the constructor names it
+                continue
+            if first is not None:
+                raise DuplicateKeyError(
+                    f"the key {key!r} is given twice in one mapping, on lines {first} and {line}; "
+                    "keep one"
+                )
+            lines[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -355,9 +379,13 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise UsageError(f"cannot read config file {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise UsageError(
+            f"{path}: not a YAML text file: byte {error.start} is not UTF-8 ({error.reason})"
+        ) from None
     try:
         data = read_yaml(text)
     except yaml.YAMLError as error:

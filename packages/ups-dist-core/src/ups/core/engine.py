@@ -39,7 +39,7 @@ from .plugins import Registry
 from .preemption import Preemption
 from .profiling import CommCounter, StepProfiler, comm_profile, model_counts
 from .progress import Progress
-from .records import Checkpointer
+from .records import Checkpointer, TrainResult
 from .reporting import Reporter
 from .resume import Position, Resumed, TrainingState
 from .rng import seed_all, set_rng_state
@@ -52,27 +52,6 @@ from .validate import select_sampler
 from .watchdog import FORWARD, FORWARD_DONE, Watchdog
 
 log = structlog.get_logger()
-
-
-@attrs.frozen(kw_only=True)
-class TrainResult:
-    """What a run leaves behind; the same on every rank."""
-
-    steps: int
-    """Optimizer steps taken."""
-    epochs: int
-    """Epochs started."""
-    losses: tuple[float, ...]
-    """The training loss at each report, averaged over the interval and over all ranks."""
-    checkpoint: str | None
-    """Where the final checkpoint went."""
-    preempted: bool = False
-    """Whether a signal stopped the run early (saved where it stopped, to resume)."""
-    metrics: tuple[dict[str, float], ...] = ()
-    """Every report's metrics (``loss``, ``loss/<task>``, ``grad_norm``, ``lr``,
-    ``samples_per_s``, ``oom_skipped``, user metrics, ...)."""
-    eval_metrics: tuple[dict[str, float], ...] = ()
-    """Every evaluation's metrics, over the whole evaluation set (``loss``, ``loss/<task>``)."""
 
 
 def build_model(config: Config) -> nn.Module:
@@ -185,12 +164,14 @@ class Run:
         reduce = config.metrics.reduce if config.metrics is not None else {}
         metrics_key = "metrics.factory" if config.metrics and config.metrics.factory else None
         self.metrics = UserMetrics(reduce, window.tasks, ctx.device, metrics_key or "step.metrics")
-        pinned = bool(self.loader.pin_memory)
-        self.forward = Forward(self.step_fn, ctx, t.precision, self.metrics, pinned=pinned)
         self.restarted = all_max(ctx, ctx.restart_count)
         """How many times the launcher restarted the job (the largest count of any rank: a
         node that joined afresh counts from 0)."""
         self.watchdog = Watchdog(ctx, key=str(self.restarted))
+        pinned = bool(self.loader.pin_memory)
+        self.forward = Forward(
+            self.step_fn, ctx, t.precision, self.metrics, self.watchdog, pinned=pinned
+        )
         self.stepper = Stepper(
             ctx=ctx,
             training=t,
@@ -273,6 +254,8 @@ class Run:
                 if not self.position.epoch_left:
                     set_rng_state(self._resumed.rng, ctx.device)
         check_in_sync(ctx, self.config.digest(), self.step, self.model)
+        if self._resumed is not None and not self._steps_left():
+            return self._complete()
         self.ddp.train()
         reporter = self.reporter
         reporter.restart_clock(self.step)
@@ -312,9 +295,24 @@ class Run:
             preempted=preempted,
         )
 
+    def _steps_left(self) -> bool:
+        """Whether the loop has a step to take: ``max_steps``, the schedule and the epochs
+        leave one (an epoch resumed mid-way counts as not started)."""
+        return self._more_steps() and self.position.epoch < self.config.training.epochs
+
+    def _complete(self) -> TrainResult:
+        """A run resumed where it had ended (restarted after its final save, or run again):
+        nothing to train, evaluate or save; say so."""
+        resumed = self._resumed
+        assert resumed is not None
+        log.info(f"the run is complete at step {self.step}: nothing left to train", step=self.step)
+        return TrainResult(
+            steps=self.step, epochs=self.position.epoch, losses=(), checkpoint=resumed.location
+        )
+
     def _loop(self) -> None:
         """The epochs and their steps, until the data, ``max_steps`` or the schedule ends them."""
-        while self._more_steps() and self.position.epoch < self.config.training.epochs:
+        while self._steps_left():
             if self.loader.batch_sampler.batch_size != self.schedule.batch_size:  # type: ignore[union-attr]
                 # a scheduled batch size, from this epoch on
                 self.loader = self._loader(self.dataset, self.sampler, self.schedule.batch_size)

@@ -23,7 +23,6 @@ from .markers import hookspec
 if TYPE_CHECKING:
     from .config import Config
     from .context import RunContext
-    from .engine import TrainResult
     from .records import (
         CheckpointBackendPlugin,
         CommandPlugin,
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
         LauncherPlugin,
         SamplerPlugin,
         SectionPlugin,
+        TrainResult,
     )
 
 # ---------------------------------------------------------------------------------------------

@@ -7,16 +7,16 @@ does the same for any function, for notebooks and scripts (like Accelerate's not
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-from . import engine, logs
+from . import logs
 from .config import (
     Config,
     DistributedConfig,
@@ -24,9 +24,13 @@ from .config import (
     config_from_mapping,
     load_config,
 )
-from .context import RunContext, distributed_session, launched
 from .plugins import load_plugins
-from .tune import tune_here
+from .records import TrainResult
+
+if TYPE_CHECKING:  # the launcher plugins build command lines with this module: no torch
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from .context import RunContext
 
 T = TypeVar("T")
 
@@ -50,6 +54,8 @@ def agent_exports() -> list[str]:
 
 
 def _launch_config(nproc: int, max_restarts: int) -> LaunchConfig:
+    from torch.distributed.launcher.api import LaunchConfig
+
     for name, value in AGENT_ENV.items():
         os.environ.setdefault(name, value)
     return LaunchConfig(
@@ -79,12 +85,16 @@ def run_processes(
 
     :raises torch.distributed.elastic.multiprocessing.errors.ChildFailedError: when a rank fails.
     """
+    from torch.distributed.launcher.api import elastic_launch
+
     distributed = distributed or DistributedConfig()
     results = elastic_launch(_launch_config(nproc, max_restarts), _worker)(fn, args, distributed)
     return results[0]  # type: ignore[no-any-return]
 
 
 def _worker(fn: Callable[..., T], args: tuple[Any, ...], d: DistributedConfig) -> T:
+    from .context import distributed_session
+
     with distributed_session(d.enabled, d.backend, d.timeout_s) as ctx:
         logs.configure(ctx)
         return fn(ctx, *args)
@@ -95,7 +105,7 @@ def train(
     *,
     nproc: int | None = None,
     overrides: Iterable[str] = (),
-) -> engine.TrainResult:
+) -> TrainResult:
     """Train a config (a file, a mapping or a :class:`Config`) on ``nproc`` local processes.
 
     ``nproc`` defaults to ``distributed.nproc``; ``overrides`` (``key.path=value``) apply to a
@@ -103,6 +113,8 @@ def train(
     (resuming from the newest checkpoint). Returns rank 0's :class:`~ups.core.TrainResult`.
     Plugins must be installed (entry points) to be seen by the spawned processes.
     """
+    from .context import launched
+
     if isinstance(config, str | Path):
         config = load_config(config, overrides)
     elif not isinstance(config, Config):
@@ -119,7 +131,7 @@ def train(
     )
 
 
-def train_in_place(config: Config) -> engine.TrainResult:
+def train_in_place(config: Config) -> TrainResult:
     """Join the process group this process's environment describes, and train ``config``."""
     return _worker(train_here, (config,), config.distributed)
 
@@ -127,15 +139,28 @@ def train_in_place(config: Config) -> engine.TrainResult:
 def tune(config: Config, *, nproc: int, start: int = 1, limit: int | None = None) -> int:
     """The largest per-rank batch size whose step fits on each of ``nproc`` local processes
     (:func:`ups.core.tune.tune_batch_size`); in place when launched already."""
+    from .context import launched
+    from .tune import tune_here
+
     args = (config, start, limit)
     if nproc == 1 or launched():
         return _worker(tune_here, args, config.distributed)
     return run_processes(tune_here, *args, nproc=nproc, distributed=config.distributed)
 
 
-def train_here(ctx: RunContext, config: Config) -> engine.TrainResult:
+def train_here(ctx: RunContext, config: Config) -> TrainResult:
     """Train ``config`` in this process, as this rank of the process group ``ctx`` describes."""
+    from . import engine
+
     return engine.train(config, ctx, load_plugins())
+
+
+class _ReportedByUps(logging.Filter):
+    """Drops the agent's lines on a failed rank and on stopping the others: ``ups train``
+    reports each failed rank itself, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
 
 
 def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: int = 0) -> None:
@@ -144,9 +169,21 @@ def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: i
 
     :raises ChildFailedError: when a rank fails (after ``max_restarts`` restarts).
     """
+    from torch.distributed.launcher.api import elastic_launch
+
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _ReportedByUps) for f in agent_log.filters):
+        agent_log.addFilter(_ReportedByUps())
     elastic_launch(_launch_config(nproc, max_restarts), sys.executable)(
         *train_args(config, overrides)
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def train_args(config: Path, overrides: Iterable[str]) -> list[str]:

@@ -13,15 +13,20 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, TextIO, cast
+from typing import TYPE_CHECKING, Literal, TextIO, cast
 
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
-from .context import RunContext
 from .progress import write_line
 
+if TYPE_CHECKING:
+    from .context import RunContext
+
 FORMAT_ENV = "UPS_LOG_FORMAT"
+AGENT_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+"""Set in a rank's environment by an elastic agent: where the rank leaves its error, which the
+agent's launcher (``ups train --nproc``, torchrun) prints."""
 Format = Literal["auto", "json", "console"]
 
 _LEVELS = logging.getLevelNamesMapping()
@@ -40,8 +45,8 @@ def _level_number(method_name: str) -> int:
 class AddRank:
     """Processor: adds ``rank`` to every event of a multi-process run."""
 
-    def __init__(self, ctx: RunContext) -> None:
-        self._rank = ctx.rank if ctx.world_size > 1 else None
+    def __init__(self, ctx: RunContext | None) -> None:
+        self._rank = ctx.rank if ctx is not None and ctx.world_size > 1 else None
 
     def __call__(self, _logger: WrappedLogger, _name: str, event: EventDict) -> EventDict:
         if self._rank is not None:
@@ -74,8 +79,9 @@ class _Console:
     fatal = failure = err = error = critical = exception = msg
 
 
-def configure(ctx: RunContext, level: str = "info", fmt: Format | None = None) -> None:
+def configure(ctx: RunContext | None, level: str = "info", fmt: Format | None = None) -> None:
     """Send structured logs to stderr: ``level`` and above on rank 0, warnings and above elsewhere.
+    ``ctx`` is ``None`` in a process that is not (yet) a rank: the command line's.
 
     ``fmt``: ``json`` (one object a line), ``console`` (for people), or ``auto``: console on a
     terminal, else JSON. Defaults to ``$UPS_LOG_FORMAT`` or ``auto``.
@@ -84,7 +90,7 @@ def configure(ctx: RunContext, level: str = "info", fmt: Format | None = None) -
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     threshold = _LEVELS[level.upper()]
-    if not ctx.is_main:
+    if ctx is not None and not ctx.is_main:
         threshold = max(threshold, logging.WARNING)
     console = _Console()
     structlog.configure(
@@ -117,22 +123,35 @@ class _RankFile:
 
     def __call__(self, logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
         if _level_number(name) >= logging.INFO:
-            record: EventDict = dict(event)
-            record.setdefault("level", _level_name(name))
-            record.setdefault("rank", self._rank)
-            if "timestamp" not in record:
-                record = self._stamp(logger, name, record)
-            record = structlog.processors.format_exc_info(logger, name, record)
-            line = cast(str, self._render(logger, name, record))  # json.dumps gives a str
-            with self._lock:
-                self._stream.write(f"{line}\n")
+            self.write(name, event)
         return event
+
+    def write(self, name: str, event: EventDict) -> None:
+        """Append ``event``, logged by the method ``name``, as one line."""
+        record: EventDict = dict(event)
+        record.setdefault("level", _level_name(name))
+        record.setdefault("rank", self._rank)
+        if "timestamp" not in record:
+            record = self._stamp(None, name, record)
+        record = structlog.processors.format_exc_info(None, name, record)
+        line = cast(str, self._render(None, name, record))  # json.dumps gives a str
+        with self._lock:
+            self._stream.write(f"{line}\n")
+
+
+def to_file(level: str, event: str, **fields: object) -> None:
+    """Log ``event`` at ``level`` to this rank's log file only (:func:`rank_log_file`), not to
+    the console: what a person reads elsewhere (a traceback, a record the progress bar shows)."""
+    for processor in structlog.get_config()["processors"]:
+        if isinstance(processor, _RankFile):
+            processor.write(level, {"event": event, **fields})
 
 
 @contextlib.contextmanager
 def rank_log_file(ctx: RunContext, run_dir: Path) -> Iterator[Path]:
     """While open, also append every event of this rank at info and above, whatever its console
-    shows, to ``run_dir/logs/rank<rank>.jsonl`` (one JSON object a line); yield that path.
+    shows, to ``run_dir/logs/rank<rank>.jsonl`` (one JSON object a line); yield that path. An
+    exception that leaves the block is written there too, with its traceback (``failed``).
 
     The file joins the structlog configuration in effect (normally :func:`configure`'s, so call
     that first) just before its console level filter, or else before its renderer, and leaves
@@ -149,5 +168,8 @@ def rank_log_file(ctx: RunContext, run_dir: Path) -> Iterator[Path]:
         processors.insert(filters[0] if filters else max(0, len(processors) - 1), tee)
         try:
             yield path
+        except BaseException as error:
+            tee.write("error", {"event": "failed", "error": repr(error), "exc_info": error})
+            raise
         finally:
             processors.remove(tee)

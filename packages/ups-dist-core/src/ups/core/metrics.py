@@ -26,6 +26,9 @@ class LossWindow:
     """
 
     def __init__(self, tasks: Sequence[str], device: torch.device) -> None:
+        """:raises ConfigError: when ``tasks`` is not a sequence of names (one string is not)."""
+        if isinstance(tasks, str) or not all(isinstance(task, str) for task in tasks):
+            raise ConfigError("tasks", f"expected a list of task names, got {tasks!r}")
         self.tasks = tuple(tasks) or ("all",)
         self._sums = torch.zeros(2, len(self.tasks) + 1, dtype=torch.float64, device=device)
         self._ids = TaskIds(len(self.tasks))

@@ -16,7 +16,7 @@ import importlib
 import importlib.metadata as metadata
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import attrs
 import pluggy
@@ -24,6 +24,7 @@ import structlog
 
 from . import hookspecs
 from .errors import ConfigError, UsageError, did_you_mean, one_of
+from .lazy import resolved
 from .markers import NAME
 from .records import (
     CheckpointBackendPlugin,
@@ -70,6 +71,11 @@ class PluginInfo:
     error: str = ""
     """Why it failed to load, when ``status`` is ``failed``."""
 
+    @property
+    def source(self) -> str:
+        """``distribution version``, as messages name it."""
+        return f"{self.distribution} {self.version}".strip()
+
 
 @attrs.frozen
 class Provided:
@@ -77,6 +83,8 @@ class Provided:
 
     record: PluginRecord
     plugin: str
+    replaced_builtin: bool = False
+    """Whether it took the name of a built-in (say a third party's ``torch`` sampler)."""
 
 
 class Registry:
@@ -96,35 +104,85 @@ class Registry:
             self._records[family] = self._collect(family)
         return self._records[family]
 
-    def get(self, family: Family, name: str, key: str) -> PluginRecord:
-        """The record of ``family`` called ``name``, selected by the config at ``key``.
+    def get(
+        self, family: Family, name: str, key: str, offer: Iterable[str] | None = None
+    ) -> PluginRecord:
+        """The record of ``family`` called ``name``, selected by the config at ``key``, its
+        ``factory`` and ``options`` imported if named with :func:`ups.core.imported`.
 
+        :param offer: the names an error offers, when not every record fits ``key`` (the
+            training samplers for ``sampler``); all of the family's by default.
         :raises ConfigError: naming ``key``, the plugins available, and any that failed to load.
         """
         records = self.records(family)
         if name in records:
-            return records[name].record
+            record = records[name].record  # its factory and options imported now, if lazily
+            fields = attrs.fields_dict(type(record))
+            lazy = {f: resolved(getattr(record, f)) for f in ("factory", "options") if f in fields}
+            return attrs.evolve(record, **lazy)
+        available = list(records if offer is None else offer)
         failed = [p for p in self.plugins if p.status == "failed"]
         note = "".join(
-            f"; plugin {p.name!r} ({p.distribution} {p.version}) failed to load: {p.error}"
-            for p in failed
+            f"; plugin {p.name!r} ({p.source}) failed to load: {p.error}" for p in failed
         )
         raise ConfigError(
             key,
-            f"unknown {family.replace('_', ' ')} {name!r}; available: {one_of(records)}"
-            f"{did_you_mean(name, records)}{note}",
+            f"unknown {family.replace('_', ' ')} {name!r}; available: {one_of(available)}"
+            f"{did_you_mean(name, available)}{note}",
         )
+
+    @overload
+    def select(
+        self, family: Literal["sampler"], name: str, options: Mapping[str, Any], key: str
+    ) -> tuple[SamplerPlugin, Any]: ...
+
+    @overload
+    def select(
+        self, family: Literal["comm_hook"], name: str, options: Mapping[str, Any], key: str
+    ) -> tuple[CommHookPlugin, Any]: ...
+
+    @overload
+    def select(
+        self, family: Literal["checkpoint"], name: str, options: Mapping[str, Any], key: str
+    ) -> tuple[CheckpointBackendPlugin, Any]: ...
+
+    @overload
+    def select(
+        self, family: Literal["launcher"], name: str, options: Mapping[str, Any], key: str
+    ) -> tuple[LauncherPlugin, Any]: ...
+
+    @overload
+    def select(
+        self, family: Literal["command"], name: str, options: Mapping[str, Any], key: str
+    ) -> tuple[CommandPlugin, Any]: ...
 
     def select(
         self, family: Family, name: str, options: Mapping[str, Any], key: str
-    ) -> tuple[Any, Any]:
-        """The record ``name`` of ``family`` and ``options`` built into its options class.
+    ) -> tuple[PluginRecord, Any]:
+        """The record ``name`` of ``family`` and ``options`` built into its options class; the
+        record is typed by the family (``select("sampler", ...)`` gives a ``SamplerPlugin``).
 
         :param key: the config section selecting it (``sampler``), for error messages.
         :raises ConfigError: an unknown name, or an options key or value the plugin refuses.
         """
         record = self.get(family, name, f"{key}.name")
-        return record, structure(record.options, dict(options), f"{key}.options")
+        try:
+            return record, structure(record.options, dict(options), f"{key}.options")
+        except ConfigError as error:
+            provided = self.records(family)[name]
+            if not provided.replaced_builtin:
+                raise
+            raise ConfigError(
+                error.path,
+                f"{error.problem}; note: {family.replace('_', ' ')} {name!r} is not the built-in "
+                f"one: plugin {provided.plugin!r}{self._source(provided.plugin)} replaced it, "
+                f"with options {record.options.__name__}",
+            ) from None
+
+    def _source(self, plugin: str) -> str:
+        """`` (distribution version)`` of the enabled plugin ``plugin``, where known."""
+        found = [p.source for p in self.plugins if p.name == plugin and p.status == "enabled"]
+        return f" ({found[0].strip('()')})" if found else ""
 
     def _collect(self, family: Family) -> dict[str, Provided]:
         hook_name, record_type = FAMILIES[family]
@@ -153,7 +211,8 @@ def _add(found: dict[str, Provided], family: Family, new: Provided) -> None:
     old = found.get(new.record.name)
     if old is None or old.plugin == BUILTIN_NAME:
         if old is not None:
-            log.info("built-in replaced", family=family, name=new.record.name, plugin=new.plugin)
+            log.warning("built-in replaced", family=family, name=new.record.name, plugin=new.plugin)
+            new = attrs.evolve(new, replaced_builtin=True)
         found[new.record.name] = new
     elif new.plugin != BUILTIN_NAME:
         raise UsageError(

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .context import RunContext
+from .errors import ConfigError
 
 log = structlog.get_logger()
 
@@ -31,11 +32,27 @@ Handler = Any
 
 
 class Preemption:
-    """Watches for ``signals`` while entered (handlers are installed from the main thread)."""
+    """Watches for ``signals`` while entered (handlers are installed from the main thread).
 
-    def __init__(self, ctx: RunContext, signals: Iterable[signal.Signals]) -> None:
+    In a loop of one's own: every rank calls :meth:`agreed` once per step, and all save and
+    stop at the step it says ``True``.
+
+    :raises ConfigError: when one of ``signals`` is not a :class:`signal.Signals`.
+    """
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGUSR1),
+    ) -> None:
         self.ctx = ctx
         self.signals = tuple(signals)
+        for sig in self.signals:
+            if not isinstance(sig, signal.Signals):
+                raise ConfigError(
+                    "signals",
+                    f"{sig!r} is not a signal; allowed: signal.SIGTERM, signal.SIGUSR1, ...",
+                )
         self.received: signal.Signals | None = None
         """The signal this rank got, if any."""
         self.stopped = False

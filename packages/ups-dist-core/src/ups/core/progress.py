@@ -13,14 +13,17 @@ import threading
 import time
 import types
 from collections.abc import Mapping
-from typing import NoReturn, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from tqdm import tqdm
 
-from .context import RunContext
+if TYPE_CHECKING:
+    from .context import RunContext
 
-SHOWN = ("loss", "lr")
-"""The metrics the bar shows, when :meth:`Progress.update` is given them."""
+SHOWN = ("loss", "loss/", "val_loss", "samples_per_s")
+"""The metrics the bar shows, in this order, when :meth:`Progress.update` is given them:
+``loss``, every ``loss/<task>`` (as ``<task>``), ``val_loss`` and ``samples_per_s`` (as
+``samples/s``); the bar itself shows the steps, their rate and the time left."""
 
 _NO_METRICS: Mapping[str, float] = types.MappingProxyType({})
 _OPEN: set[Progress] = set()
@@ -36,8 +39,22 @@ def write_line(file: TextIO, line: str) -> None:
         file.flush()
 
 
+def postfix(metrics: Mapping[str, float]) -> str:
+    """The :data:`SHOWN` entries of ``metrics``, as the bar shows them after its counts."""
+    shown = []
+    for prefix in SHOWN:
+        for key, value in metrics.items():
+            if key == prefix or (prefix.endswith("/") and key.startswith(prefix)):
+                if key == "samples_per_s":
+                    shown.append(f"{value:.0f} samples/s")
+                else:
+                    shown.append(f"{key.removeprefix(prefix) or key}={value:.4g}")
+    return ", ".join(shown)
+
+
 class Progress:
-    """A progress bar of training steps on rank 0: steps/s, and the latest loss and LR.
+    """A progress bar of training steps on rank 0: steps/s, the time left, and the latest
+    numbers a person watches (:data:`SHOWN`).
 
     ``enabled`` defaults to whether ``file`` (default: stderr) is a terminal; other ranks never
     show a bar. A disabled bar costs one attribute check per :meth:`update`. Use it as a context
@@ -60,9 +77,11 @@ class Progress:
             enabled = stream.isatty()
         self._refresh_s = refresh_s
         self._due = 0.0
-        self._pending: Mapping[str, float] | None = None
+        self._shown: dict[str, float] = {}
+        self._pending = False
         self._bar: tqdm[NoReturn] | None = None
-        if ctx.is_main and enabled:
+        self._on_terminal = ctx.is_main and enabled
+        if self._on_terminal:
             self._bar = tqdm(total=total, file=stream, unit="step", dynamic_ncols=True)
             _OPEN.add(self)
 
@@ -71,15 +90,21 @@ class Progress:
         """Whether this bar is shown (and not yet closed)."""
         return self._bar is not None
 
+    @property
+    def on_terminal(self) -> bool:
+        """Whether this bar is or was shown: the numbers it shows go to no log line."""
+        return self._on_terminal
+
     def update(self, step: int, metrics: Mapping[str, float] = _NO_METRICS) -> None:
         """Advance the bar to ``step`` (steps done so far) and show the :data:`SHOWN` entries of
-        ``metrics``, if any; an empty ``metrics`` keeps what is shown."""
+        ``metrics`` in place of those shown; the others shown stay."""
         bar = self._bar
         if bar is None:
             return
         if metrics:
-            self._pending = metrics
-        if self._pending is not None:
+            self._shown.update(metrics)
+            self._pending = True
+        if self._pending:
             now = time.monotonic()
             if now >= self._due:
                 self._show_pending()
@@ -96,10 +121,9 @@ class Progress:
         self._bar = None
 
     def _show_pending(self) -> None:
-        if self._bar is not None and self._pending is not None:
-            shown = (f"{key}={self._pending[key]:.4g}" for key in SHOWN if key in self._pending)
-            self._bar.set_postfix_str(", ".join(shown), refresh=False)
-            self._pending = None
+        if self._bar is not None and self._pending:
+            self._bar.set_postfix_str(postfix(self._shown), refresh=False)
+            self._pending = False
 
     def __enter__(self) -> Progress:
         return self

@@ -2,7 +2,9 @@
 
 Each family's hook returns an iterable of one record type. A record names its plugin (a short,
 lowercase, unique name the config selects it by), the factory the engine calls, and the attrs
-class its ``options`` mapping in the config is checked against.
+class its ``options`` mapping in the config is checked against. The factory and the options
+class may be named with :func:`ups.core.imported` (``"package.module:name"``), so that
+listing the records (``ups plugins``) does not import the modules they need (torch).
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ import argparse
 import re
 from collections.abc import Mapping, Sized
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Sampler
 
-from .context import RunContext
+if TYPE_CHECKING:  # annotations only: describing a plugin imports no torch
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import Sampler
+
+    from .context import RunContext
 
 _NAME = re.compile(r"[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*")
 
@@ -233,6 +237,31 @@ class CommandPlugin(PluginRecord):
     line, with exit status 2, like the built-in commands' errors."""
 
     factory: CommandFactory
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+@attrs.frozen(kw_only=True)
+class TrainResult:
+    """What a run leaves behind; the same on every rank."""
+
+    steps: int
+    """Optimizer steps taken."""
+    epochs: int
+    """Epochs started."""
+    losses: tuple[float, ...]
+    """The training loss at each report, averaged over the interval and over all ranks."""
+    checkpoint: str | None
+    """Where the final checkpoint went."""
+    preempted: bool = False
+    """Whether a signal stopped the run early (saved where it stopped, to resume)."""
+    metrics: tuple[dict[str, float], ...] = ()
+    """Every report's metrics (``loss``, ``loss/<task>``, ``grad_norm``, ``lr``,
+    ``samples_per_s``, ``oom_skipped``, user metrics, ...)."""
+    eval_metrics: tuple[dict[str, float], ...] = ()
+    """Every evaluation's metrics, over the whole evaluation set (``loss``, ``loss/<task>``)."""
 
 
 # ---------------------------------------------------------------------------------------------

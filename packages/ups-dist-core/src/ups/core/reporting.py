@@ -7,6 +7,7 @@ step later, so no rank waits on the others or on rank 0's logging before its nex
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import structlog
 from .collectives import all_max
 from .config import Config
 from .context import RunContext
+from .logs import to_file
 from .metrics import LossWindow, PendingReport
 from .profiling import throughput
 from .progress import Progress
@@ -120,9 +122,10 @@ class Reporter:
         metrics["step_time_s"] = report.seconds / report.steps
         step = report.step
         self.progress.update(now, metrics)
-        log.info(
-            "step", step=step, epoch=report.epoch, **{k: _round(v) for k, v in metrics.items()}
-        )
+        # A person watching the bar reads the few numbers it shows; the full record goes to the
+        # rank's log file (and metrics.jsonl), as it goes to the console without a bar.
+        record = functools.partial(to_file, "info") if self.progress.on_terminal else log.info
+        record("step", step=step, epoch=report.epoch, **{k: _round(v) for k, v in metrics.items()})
         self.hook.ups_step_end(ctx=self.ctx, step=step, metrics=metrics)
         self.files.metrics("train", step, metrics)
         self.reports.append(metrics)
@@ -144,6 +147,7 @@ class Reporter:
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
         """Log and hand on an evaluation's metrics."""
         log.info("eval", step=step, **{f"val_{k}": _round(v) for k, v in metrics.items()})
+        self.progress.update(step, {"val_loss": metrics["loss"]})
         self.hook.ups_eval_end(ctx=self.ctx, step=step, metrics=metrics)
         self.files.metrics("eval", step, metrics)
         self.eval_reports.append(metrics)

@@ -54,6 +54,87 @@ class Resumed:
     state starts the epoch over), rather than go on from the sampler's state."""
     rng: dict[str, Any]
     """This rank's generators as they were, to set once the epoch is entered."""
+    location: str
+    """Where the checkpoint was read from."""
+
+
+FORMAT = 1
+"""The version of :class:`Saved`'s layout; raised when a field is added, renamed or removed."""
+
+
+@attrs.frozen(kw_only=True)
+class Saved:
+    """The replicated state a checkpoint holds (rank 0's is kept), stored as a mapping of its
+    fields plus ``format``: tensors, numbers, strings and containers only."""
+
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    """``{}`` without a scheduler."""
+    scaler: dict[str, Any]
+    schedule: dict[str, Any]
+    step: int
+    epoch: int
+    epoch_left: int
+    epoch_taken: int
+    sampler: dict[str, Any]
+    world_size: int
+    """The number of ranks that saved it."""
+    identity: dict[str, Any]
+    """What a resume must find unchanged (:meth:`TrainingState._identity`)."""
+    rng: dict[str, Any]
+    """Rank 0's generators, for a resume on another number of ranks."""
+    plugins: dict[str, Any]
+    """Rank 0's plugins' states, for a resume on another number of ranks."""
+    config_digest: str
+    versions: dict[str, str]
+    """torch's and the ``ups-*`` distributions' versions."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mapping a checkpointer stores."""
+        return {"format": FORMAT, **attrs.asdict(self, recurse=False)}
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any], location: str) -> Saved:
+        """Read back what :meth:`to_dict` stored.
+
+        :raises UsageError: naming ``location`` and the versions that saved it, for a
+            checkpoint of another format.
+        """
+        found = state.get("format")
+        names = [f.name for f in attrs.fields(cls)]
+        if found != FORMAT or any(name not in state for name in names):
+            versions = state.get("versions") or {}
+            by = ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) or "an older ups"
+            raise UsageError(
+                f"checkpoint {location}: its training state has format {found!r} (saved by "
+                f"{by}), this ups-dist-core reads format {FORMAT}; resume it with the version "
+                "that saved it, or start afresh (checkpoint.resume: none)"
+            )
+        return cls(**{name: state[name] for name in names})
+
+
+@attrs.frozen(kw_only=True)
+class RankSaved:
+    """What each rank saves of its own."""
+
+    rng: dict[str, Any]
+    """The rank's generators."""
+    plugins: dict[str, Any]
+    """The plugins' states, by key."""
+    comm_hook: Any = None
+    """The comm hook's ``state_dict()``, where it has one."""
+    comm_hook_name: str | None = None
+    """The comm hook that saved ``comm_hook``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mapping a checkpointer stores."""
+        return attrs.asdict(self, recurse=False)
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> RankSaved:
+        """Read back what :meth:`to_dict` stored."""
+        return cls(**{f.name: state[f.name] for f in attrs.fields(cls) if f.name in state})
 
 
 @attrs.define(kw_only=True)
@@ -77,31 +158,33 @@ class TrainingState:
     def save(self, position: Position) -> str:
         """Save a checkpoint at ``position``; return where it went."""
         step = position.step
-        own: dict[str, Any] = {"rng": rng_state(self.ctx.device), "plugins": self._plugin_states()}
         state_dict = getattr(self.comm_state, "state_dict", None)
-        if state_dict is not None:
-            own["comm_hook"] = state_dict()
-            own["comm_hook_name"] = self.config.comm_hook.name
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
-            "scaler": self.scaler.state_dict(),
-            "step": step,
-            "epoch": position.epoch,
-            "schedule": self.schedule.state_dict(),
-            "sampler": position.sampler,
-            "epoch_left": position.epoch_left,
-            "epoch_taken": position.epoch_taken,
-            "world_size": self.ctx.world_size,
-            "identity": self._identity(),
-            "rng": own["rng"],
-            "plugins": own["plugins"],
-            "config_digest": self.config.digest(),
-            "versions": dict(_versions()),
-        }
+        own = RankSaved(
+            rng=rng_state(self.ctx.device),
+            plugins=self._plugin_states(),
+            comm_hook=state_dict() if state_dict is not None else None,
+            comm_hook_name=self.config.comm_hook.name if state_dict is not None else None,
+        )
+        saved = Saved(
+            model=self.model.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict() if self.scheduler is not None else {},
+            scaler=self.scaler.state_dict(),
+            schedule=self.schedule.state_dict(),
+            step=step,
+            epoch=position.epoch,
+            epoch_left=position.epoch_left,
+            epoch_taken=position.epoch_taken,
+            sampler=position.sampler,
+            world_size=self.ctx.world_size,
+            identity=self._identity(),
+            rng=own.rng,
+            plugins=own.plugins,
+            config_digest=self.config.digest(),
+            versions=dict(_versions()),
+        )
         with self.faults.saving(step):
-            location = self.checkpointer.save(state, step=step, rank_state=own)
+            location = self.checkpointer.save(saved.to_dict(), step=step, rank_state=own.to_dict())
         self.hook.ups_checkpoint_saved(ctx=self.ctx, step=step, location=location)
         log.info("checkpoint saved", step=step, location=location)
         return location
@@ -113,38 +196,39 @@ class TrainingState:
         if loaded is None:
             log.info("no checkpoint to resume from: starting afresh")
             return None
-        state = loaded.state
-        self._check_identity(loaded.step, state.get("identity", {}))
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = Saved.from_dict(loaded.state, loaded.location)
+        self._check_identity(loaded.step, state.identity)
+        self.model.load_state_dict(state.model)
+        self.optimizer.load_state_dict(state.optimizer)
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.schedule.load_state_dict(state["schedule"])
-        load = getattr(self.sampler, "load_state_dict", None) if state["sampler"] else None
+            self.scheduler.load_state_dict(state.scheduler)
+        self.scaler.load_state_dict(state.scaler)
+        self.schedule.load_state_dict(state.schedule)
+        load = getattr(self.sampler, "load_state_dict", None) if state.sampler else None
         if load is not None:
-            load(state["sampler"])
-        own = self._restore_own(loaded)
-        left = state["epoch_left"]
+            load(state.sampler)
+        own = self._restore_own(loaded, state)
+        left = state.epoch_left
         replay = bool(left) and load is None
-        taken = state.get("epoch_taken", 0) if left else 0
-        if replay and state["world_size"] != self.ctx.world_size:
+        taken = state.epoch_taken if left else 0
+        if replay and state.world_size != self.ctx.world_size:
             log.warning(
                 "the sampler has no state to deal the rest of the epoch to another number "
                 "of ranks: the epoch starts over",
-                saved_world_size=state["world_size"],
+                saved_world_size=state.world_size,
             )
             replay, taken = False, 0
-        changed = state["config_digest"] != self.config.digest()
-        log.info("resumed", step=loaded.step, epoch=state["epoch"], config_changed=changed)
+        changed = state.config_digest != self.config.digest()
+        log.info("resumed", step=loaded.step, epoch=state.epoch, config_changed=changed)
         position = Position(
-            step=state["step"],
-            epoch=state["epoch"] - 1 if left else state["epoch"],  # the loop enters it again
+            step=state.step,
+            epoch=state.epoch - 1 if left else state.epoch,  # the loop enters it again
             epoch_left=left,
             epoch_taken=taken,
         )
-        rng = own["rng"] if own is not None else state["rng"]
-        return Resumed(position=position, replay=replay, rng=rng)
+        return Resumed(
+            position=position, replay=replay, rng=(own or state).rng, location=loaded.location
+        )
 
     def _plugin_states(self) -> dict[str, Any]:
         """Every plugin's :func:`~ups.core.hookspecs.ups_checkpoint_state`, by key."""
@@ -156,24 +240,23 @@ class TrainingState:
                 states[key] = value
         return states
 
-    def _restore_own(self, loaded: Loaded) -> dict[str, Any] | None:
+    def _restore_own(self, loaded: Loaded, state: Saved) -> RankSaved | None:
         """Restore the comm hook's state (this rank's) and the plugins' states (this rank's,
         else rank 0's); this rank's saved state, if the checkpoint has one."""
-        own = loaded.rank_state
+        own = RankSaved.from_dict(loaded.rank_state) if loaded.rank_state is not None else None
         if own is None and self.ctx.is_main:
             log.warning(
                 "checkpoint saved by another number of ranks: each rank's generators start "
                 "from rank 0's and the comm hook's state starts afresh",
-                saved_world_size=loaded.state["world_size"],
+                saved_world_size=state.world_size,
             )
         load = getattr(self.comm_state, "load_state_dict", None)
-        if own is not None and load is not None and "comm_hook" in own:
+        if own is not None and load is not None and own.comm_hook_name is not None:
             self._restore_comm_hook(load, own)
-        plugins = own["plugins"] if own is not None else loaded.state["plugins"]
-        self.hook.ups_checkpoint_restore(ctx=self.ctx, state=plugins)
+        self.hook.ups_checkpoint_restore(ctx=self.ctx, state=(own or state).plugins)
         return own
 
-    def _restore_comm_hook(self, load: Callable[[Any], None], own: Mapping[str, Any]) -> None:
+    def _restore_comm_hook(self, load: Callable[[Any], None], own: RankSaved) -> None:
         """Hand the comm hook its saved state, if the hook that saved it is this run's; else
         warn that its state starts afresh.
 
@@ -181,7 +264,7 @@ class TrainingState:
             with options that shape it otherwise, such as another PowerSGD rank).
         """
         name = self.config.comm_hook.name
-        saved_by = own.get("comm_hook_name", name)
+        saved_by = own.comm_hook_name
         if saved_by != name:
             if self.ctx.is_main:
                 log.warning(
@@ -190,7 +273,7 @@ class TrainingState:
                 )
             return
         try:
-            load(own["comm_hook"])
+            load(own.comm_hook)
         except ValueError as error:
             raise ConfigError(
                 "comm_hook.options", f"cannot resume the checkpoint: {error}"

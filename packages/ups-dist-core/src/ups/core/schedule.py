@@ -22,16 +22,18 @@ own evaluation) and applies it. See ``docs/decisions.md``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import structlog
-import torch
 
-from . import collectives
-from .context import RunContext
 from .errors import UsageError
 from .structure import above, at_least
+
+if TYPE_CHECKING:  # the rules are read with the config, which imports no torch
+    import torch
+
+    from .context import RunContext
 
 __all__ = [
     "MULTIPLIER_KEY",
@@ -367,6 +369,8 @@ class Schedule:
         """
         if not self.may_fire(step, evaluated=val_loss is not None):
             return None
+        from . import collectives
+
         decision = collectives.decide(ctx, lambda: self.evaluate(step, val_loss))
         if decision is None:
             return None
@@ -484,6 +488,8 @@ def apply_lr_multiplier(
     ``LinearLR``, ``CosineAnnealingLR`` with ``eta_min=0``) from the group's current LR.
     ``eta_min`` and ``OneCycleLR``'s own LR bounds are not scaled.
     """
+    import torch
+
     base_lrs: list[float] | None = getattr(scheduler, "base_lrs", None)
     for index, group in enumerate(optimizer.param_groups):
         ratio = multiplier / group.get(MULTIPLIER_KEY, 1.0)

@@ -32,7 +32,7 @@ from .errors import ConfigError, UsageError
 from .metrics import LossWindow
 from .step import Step, StepError
 from .user_metrics import UserMetrics
-from .watchdog import DONE, STARTED, Watchdog
+from .watchdog import BACKWARD, DONE, STARTED, Watchdog
 
 log = structlog.get_logger()
 
@@ -62,12 +62,20 @@ class Taken:
 
 class Forward:
     """One micro-batch through a step: to the device, the step's forward and loss under
-    autocast, its metrics without gradients; the same in training, evaluation and trials."""
+    autocast, its metrics without gradients; the same in training, evaluation and trials.
+    ``watchdog`` is told when the metrics run (user code of ``metrics.factory``)."""
 
     def __init__(
-        self, step: Step, ctx: RunContext, precision: str, metrics: UserMetrics, *, pinned: bool
+        self,
+        step: Step,
+        ctx: RunContext,
+        precision: str,
+        metrics: UserMetrics,
+        watchdog: Watchdog,
+        *,
+        pinned: bool,
     ) -> None:
-        self.step, self.ctx, self.metrics = step, ctx, metrics
+        self.step, self.ctx, self.metrics, self.watchdog = step, ctx, metrics, watchdog
         self._precision, self._non_blocking = precision, pinned and ctx.device.type == "cuda"
         self._name = type(step).__qualname__
 
@@ -80,7 +88,7 @@ class Forward:
             returned = step.loss(outputs, batch)
         samples = step.batch_size(batch)
         mean, loss, weight = self._checked(returned, samples)
-        with torch.no_grad():
+        with torch.no_grad(), self.watchdog.calling(self.metrics.key):
             values = self.metrics.check(step.metrics(outputs, batch), samples)
         return mean, Taken(loss.detach(), samples, step.task_ids(batch), values, weight)
 
@@ -185,6 +193,7 @@ class Stepper:
         except UsageError as error:
             raise type(error)(f"at step {number}: {error}") from None
         self.oom_in_a_row = 0
+        self.watchdog.mark(self.attempts, BACKWARD)
         losses[0].backward()  # type: ignore[no-untyped-call]
         grad_norm = float("nan")
         if t.grad_clip_norm is not None:
@@ -280,6 +289,11 @@ class Stepper:
             ) from error
         if self.ctx.is_main:
             log.warning("out of memory: every rank skips the batch", step=step, ranks=ranks)
+        if error is not None:
+            # Its traceback holds the failed passes' frames and their tensors, in a cycle with
+            # the frame that caught it: freed now, not when the garbage collector gets to it,
+            # so that emptying the cache below hands their memory back.
+            error.__traceback__ = None
         self.optimizer.zero_grad(set_to_none=True)
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()

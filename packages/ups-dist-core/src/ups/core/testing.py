@@ -13,7 +13,6 @@ import os
 import pickle
 import queue as queue_module
 import signal
-import socket
 import subprocess
 import sys
 import traceback
@@ -26,6 +25,7 @@ import yaml
 from torch.utils.data import TensorDataset
 
 from .context import distributed_session
+from .launch import free_port
 
 T = TypeVar("T")
 
@@ -58,16 +58,24 @@ def not_a_model():
 '''
 
 
-def install_plugin(site: Path, name: str, module: str, source: str, version: str = "0.1") -> None:
+def install_plugin(
+    site: Path,
+    name: str,
+    module: str,
+    source: str,
+    version: str = "0.1",
+    entry_point: str | None = None,
+) -> None:
     """Install, into the folder ``site``, what pip would leave for a plugin distribution
     ``name``: the module ``module`` with ``source``, and a dist-info folder whose
-    ``entry_points.txt`` lists it under the ``ups`` group. Put ``site`` on ``sys.path`` (or
-    ``PYTHONPATH``) and :func:`~ups.core.load_plugins` finds it."""
+    ``entry_points.txt`` lists it under the ``ups`` group as ``entry_point`` (default
+    ``name``). Put ``site`` on ``sys.path`` (or ``PYTHONPATH``) and
+    :func:`~ups.core.load_plugins` finds it."""
     (site / f"{module}.py").write_text(source)
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(f"[ups]\n{name} = {module}\n")
+    (info / "entry_points.txt").write_text(f"[ups]\n{entry_point or name} = {module}\n")
     (info / "RECORD").write_text("")
 
 
@@ -148,13 +156,6 @@ def run_ups(
         cwd=cwd,
         check=False,
     )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:

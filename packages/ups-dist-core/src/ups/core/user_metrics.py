@@ -38,7 +38,9 @@ class UserMetrics:
         device: torch.device,
         key: str = "step.metrics",
     ) -> None:
-        self._reduce, self._tasks, self._device, self._key = dict(reduce), tasks, device, key
+        self._reduce, self._tasks, self._device = dict(reduce), tasks, device
+        self.key = key
+        """The config key of the code the metrics come from (for messages)."""
         self._ids = TaskIds(len(tasks))
         self._sums: dict[str, torch.Tensor] = {}
         """A number: ``mean``: [sum of value x batch size, samples]; ``sum``: [sum, 0];
@@ -59,7 +61,7 @@ class UserMetrics:
                 metrics[name] = tensor.reshape(())
             else:
                 raise ConfigError(
-                    self._key,
+                    self.key,
                     f"metric {name!r} is a tensor of shape {tuple(tensor.shape)}; expected one "
                     f"number, or one per sample (shape ({batch_size},))",
                 )

@@ -5,7 +5,8 @@ Errors raise :class:`~ups.core.errors.ConfigError`; advice comes back as warning
 
 from __future__ import annotations
 
-import typing
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
             "allowed here: fp32, bf16",
         )
 
+    check_run_dir(config.run_dir)
     nproc = config.distributed.nproc if nproc is None else nproc
     if config.distributed.backend == "nccl" and torch.cuda.device_count() < nproc:
         raise ConfigError(
@@ -76,6 +78,12 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
                     "end only, if at all; set eval.every_steps, or use at_latest_step",
                 )
     warnings = schedule_warnings(config.schedule, max_steps=t.max_steps)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and nproc > cores:
+        warnings.append(
+            f"distributed.nproc: {nproc} processes on {cores} CPU cores oversubscribe them: the "
+            f"ranks slow each other down; at most {cores} on this machine"
+        )
     if nproc > 1 and len(config.data.tasks) > 1 and not sampler.multi_task:
         warnings.append(
             f"sampler.name: {config.sampler.name!r} treats the {len(config.data.tasks)} tasks of "
@@ -93,6 +101,22 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     return warnings
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """Check that the run's folder is, or can be made, a folder: its nearest existing
+    ancestor (or itself) must be one.
+
+    :raises ConfigError: naming ``run.output_dir`` and the file in the way.
+    """
+    for path in (run_dir, *run_dir.parents):
+        if path.is_dir():
+            return
+        if path.exists():
+            raise ConfigError(
+                "run.output_dir",
+                f"the run's folder {run_dir} cannot be made: {path} is a file, not a folder",
+            )
+
+
 def select_sampler(
     registry: Registry, choice: PluginChoice, key: str, *, exact: bool
 ) -> tuple[SamplerPlugin, Any]:
@@ -102,18 +126,18 @@ def select_sampler(
 
     :raises ConfigError: naming ``key``, for an unknown sampler or one of the other kind.
     """
+    fits = sorted(
+        name
+        for name, provided in registry.records("sampler").items()
+        if isinstance(provided.record, SamplerPlugin) and provided.record.exact == exact
+    )
+    registry.get("sampler", choice.name, f"{key}.name", offer=fits)  # an unknown name
     record, options = registry.select("sampler", choice.name, choice.options, key)
-    assert isinstance(record, SamplerPlugin)
     if record.exact != exact:
         kind = (
             "gives every sample to one rank, so ranks may take different numbers of steps"
             if record.exact
             else "pads the ranks' shares to one length, so some samples would count twice"
-        )
-        fits = sorted(
-            name
-            for name, provided in registry.records("sampler").items()
-            if typing.cast(SamplerPlugin, provided.record).exact == exact
         )
         raise ConfigError(
             f"{key}.name",

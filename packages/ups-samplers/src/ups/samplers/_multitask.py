@@ -9,10 +9,13 @@ that any stretch of a rank's samples (a batch) holds the mix, not runs of one ta
 
 Each task is an endless stream of passes over its samples, each pass a fresh permutation
 (drawn for the seed, the task and the pass, one that gives any of its positions on its own, so
-each rank draws only its share of the epoch). Epoch ``e`` takes the task's next ``c`` samples of
-the stream, positions ``e·c`` to ``(e+1)·c``: a small task over-sampled runs through several
-passes, none repeating a sample within a pass; a large task under-sampled moves on through its
-pass, epoch by epoch.
+each rank draws only its share of the epoch). An epoch's samples of a task are its count ``w``
+in the epoch on one rank, the stream's positions ``e·w`` to ``(e+1)·w - 1`` for epoch ``e``: a
+small task over-sampled runs through several passes, none repeating a sample within a pass; a
+large task under-sampled moves on through its pass, epoch by epoch; a task whose count is its
+size reads each pass in one epoch. On more ranks the epoch is rounded to a multiple of them by
+repeating samples of the same epoch (as torch's ``DistributedSampler`` pads), never by drawing
+ahead from the next, so the epochs stay where they are whatever the world size.
 """
 
 from __future__ import annotations
@@ -123,9 +126,11 @@ class MultiTaskDistributedSampler(EpochSampler):
     length (:func:`mixture`, :func:`epoch_length`), the length rounded to a multiple of the
     ranks (up; down with ``drop_last``, except for ``epoch_size="max"``, which also goes on up
     until every task is seen in full), whole counts by largest remainder, so each is within one
-    of its exact share. Rank ``r`` gets every ``num_replicas``-th sample of the
-    epoch's task-by-task list, so its count of each task is within one of
-    ``count[t] / num_replicas``, and all ranks get the same number. On each rank the tasks are
+    of its exact share. Which samples of a task an epoch reads is its count on one rank
+    (``counts(1)``): the rounding repeats the first of them, or leaves out the last, so that
+    with ``proportional`` and ``sum`` every epoch is one pass over every task. Rank ``r``
+    gets every ``num_replicas``-th sample of the epoch's task-by-task list, so its count of
+    each task is within one of ``count[t] / num_replicas``, and all ranks get the same number. On each rank the tasks are
     interleaved evenly (the largest task spread evenly over the rank's samples, then the next
     over the slots left, and so on; tasks of one count take turns), so any stretch of a rank's
     samples holds every task in proportion: within one with two tasks; we measured at most
@@ -172,6 +177,9 @@ class MultiTaskDistributedSampler(EpochSampler):
         self.epoch_size = epoch_size
         self.length = epoch_length(self.sizes, self.shares, epoch_size)
         self.shuffle = shuffle
+        self._windows = [max(count, 1) for count in self.counts(1)]
+        """Each task's stretch of its stream an epoch reads: its count on one rank (at least 1,
+        for a task that only the rounding to the world draws)."""
         ends = torch.tensor(self.sizes, dtype=torch.int64).cumsum(0)
         self.offsets = [0, *ends[:-1].tolist()]
         self._ends = ends
@@ -201,9 +209,10 @@ class MultiTaskDistributedSampler(EpochSampler):
 
     def _pool_at(self, epoch: int, num_replicas: int, where: slice) -> torch.Tensor:
         """The epoch's samples at positions ``where`` of its task-by-task list: task ``t``'s
-        part holds positions ``epoch·c .. (epoch + 1)·c - 1`` of its stream of passes, each
-        pass a permutation drawn for (seed, task, pass) that gives any position on its own
-        (:func:`shuffled`), so a rank draws its share and nothing else."""
+        ``c`` samples are the positions ``epoch·w .. (epoch + 1)·w - 1`` of its stream of
+        passes (``w``: its count on one rank), from the start again past ``w`` (the padding to
+        the world), each pass a permutation drawn for (seed, task, pass) that gives any
+        position on its own (:func:`shuffled`), so a rank draws its share and nothing else."""
         counts = self.counts(num_replicas)
         start, stop, step = where.indices(sum(counts))
         parts = []
@@ -211,7 +220,11 @@ class MultiTaskDistributedSampler(EpochSampler):
             # The positions of the slice in task t's part, end - count .. end - 1.
             first = max(start, start + -(-(end - count - start) // step) * step)
             stream = positions(first, min(stop, end), step, torch.int64)
-            stream += epoch * count - (end - count)
+            stream -= end - count
+            window = self._windows[t]
+            if count > window:
+                stream %= window
+            stream += epoch * window
             drawn = stream % self.sizes[t]
             if self.shuffle and len(stream):
                 passes = stream // self.sizes[t]

@@ -1,12 +1,11 @@
-"""The ``ups-samplers`` plugin: registers the samplers of this distribution with ups."""
+"""The ``ups-samplers`` plugin: registers the samplers of this distribution with ups.
+
+The samplers' modules (and torch) are imported when a sampler is selected, not when listed.
+"""
 
 from __future__ import annotations
 
-from ups.core import SamplerPlugin, hookimpl
-
-from ._exact import ExactSamplerOptions, exact_sampler
-from ._multitask import MultiTaskSamplerOptions, multitask_sampler
-from ._tensor import TensorSamplerOptions, tensor_sampler
+from ups.core import SamplerPlugin, hookimpl, imported
 
 
 @hookimpl
@@ -14,21 +13,21 @@ def ups_samplers() -> list[SamplerPlugin]:
     return [
         SamplerPlugin(
             name="tensor",
-            factory=tensor_sampler,
-            options=TensorSamplerOptions,
+            factory=imported("ups.samplers._tensor:tensor_sampler"),
+            options=imported("ups.samplers._tensor:TensorSamplerOptions"),
             description="DistributedSampler's indices, kept in int32 tensors, resumable",
         ),
         SamplerPlugin(
             name="multitask",
-            factory=multitask_sampler,
-            options=MultiTaskSamplerOptions,
+            factory=imported("ups.samplers._multitask:multitask_sampler"),
+            options=imported("ups.samplers._multitask:MultiTaskSamplerOptions"),
             multi_task=True,
             description="tasks mixed balanced/proportional/temperature/weights, even per rank",
         ),
         SamplerPlugin(
             name="exact",
-            factory=exact_sampler,
-            options=ExactSamplerOptions,
+            factory=imported("ups.samplers._exact:exact_sampler"),
+            options=imported("ups.samplers._exact:ExactSamplerOptions"),
             exact=True,
             description="for evaluation: every sample on exactly one rank, optionally shuffled",
         ),
