@@ -36,7 +36,12 @@ PLUGINS = ("ups-blocks", "ups-tensorboard", "ups-optuna", "ups-mlflow", "ups-wan
 """The plugins of plugins/, written as a third party would write them."""
 TOOLS = {"ruff": "ruff==0.17.6", "mypy": "mypy==2.4.1"}
 DOCS = ("mkdocs", "mkdocs-material")
-DOCS_TESTS = ("tests/test_docs_code.py", "tests/test_docs_hooks.py", "tests/test_docs_config.py")
+DOCS_TESTS = (
+    "tests/test_docs_code.py",
+    "tests/test_docs_hooks.py",
+    "tests/test_docs_config.py",
+    "tests/test_docs_claims.py",
+)
 CONSTRAINTS = ROOT / "constraints-ci.txt"
 """Exact versions of the S3 test stack, which pip's resolver otherwise backtracks through."""
 

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from ups.core.config import Config, apply_overrides, config_from_mapping, load_config
+from ups.core.config import (
+    Config,
+    DuplicateKeyError,
+    apply_overrides,
+    config_from_mapping,
+    load_config,
+    parse_overrides,
+    read_yaml,
+)
 from ups.core.errors import ConfigError, UsageError
 
 BASE = {"model": {"factory": "m:f"}, "data": {"factory": "m:g"}}
@@ -140,3 +148,12 @@ def test_a_bad_override_error_names_the_file(tmp_path: Path) -> None:
     path.write_text("model: {factory: m:f}\ndata: {factory: m:g}\n")
     with pytest.raises(ConfigError, match=r"^.*c.yaml: model.factory: is not a section"):
         load_config(path, ["model.factory.x=1"])
+
+
+def test_a_key_given_twice_in_one_mapping_is_refused_but_a_merged_key_may_be_overridden() -> None:
+    merged = read_yaml("base: &b {x: 1, y: 2}\nrun:\n  <<: *b\n  x: 3\n")
+    assert merged["run"] == {"x": 3, "y": 2}
+    with pytest.raises(DuplicateKeyError, match="the key 'x' is given twice .* lines 2 and 2"):
+        read_yaml("- {x: 1}\n- {x: 1, y: 2, x: 3}\n")
+    with pytest.raises(UsageError, match="override 'sampler={name: a, name: b}': the key 'name'"):
+        parse_overrides(["sampler={name: a, name: b}"])

@@ -106,7 +106,8 @@ def test_the_ranks_of_a_process_group_partition_the_epoch(world_size: int) -> No
             assert times.total() == counts[t]
             q, r = divmod(min(counts[t], alone[t]), size)
             assert all(times[i] >= q for i in range(start, start + size))
-            assert sum(max(0, n - q - bool(r)) for n in times.values()) <= counts[t] - alone[t]
+            padding = max(0, counts[t] - alone[t])
+            assert sum(max(0, n - q - bool(r)) for n in times.values()) <= padding
     total = sum(SIZES)
     tensor = result["tensor"]
     assert len({len(share) for share in tensor}) == 1

@@ -65,7 +65,8 @@ def epoch_multiset(setup: Setup) -> Counter[int]:
     case = setup.case
     if setup.kind == "exact" or (setup.kind in ("tensor", "keyed") and not setup.drop_last):
         return Counter(range(getattr(case, "size", 0)))
-    # drop_last, or the multitask sampler (its epoch is a multiple of the world): no padding.
+    # drop_last, or the multitask sampler (its epoch, its own repeats included, is a multiple of
+    # the world): the epoch as drawn.
     world = setup.world_size
     return Counter(i for sampler in ranks(setup, world, None, 8192) for i in sampler)
 

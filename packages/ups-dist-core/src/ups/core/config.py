@@ -346,6 +346,8 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
             raise UsageError(f"override {item!r} is not of the form key.path=value")
         try:
             value = read_yaml(text)
+        except DuplicateKeyError as error:
+            raise UsageError(f"override {item!r}: {error}") from None
         except yaml.YAMLError:
             value = text
         parsed.append((key.split("."), value))
