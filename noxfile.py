@@ -32,7 +32,7 @@ PACKAGES = {
     "comm_hooks": "ups-comm-hooks",
     "cloud": "ups-cloud",
 }
-PLUGINS = ("ups-blocks", "ups-tensorboard", "ups-optuna")
+PLUGINS = ("ups-blocks", "ups-tensorboard", "ups-optuna", "ups-mlflow", "ups-wandb")
 """The plugins of plugins/, written as a third party would write them."""
 TOOLS = {"ruff": "ruff==0.17.6", "mypy": "mypy==2.4.1"}
 DOCS = ("mkdocs", "mkdocs-material")

@@ -9,8 +9,8 @@ What each block gets, by its language:
   ``ups.core.records``.
 - ``yaml``: read with ``ups.core.read_yaml`` and built into a ``Config`` (on a minimal
   ``model``/``data`` when the block has none), so every key and value is checked; a ``sweep``
-  section through ``ups_optuna.parse_sweep``; the options of a plugin section through the
-  installed plugin (``Registry.select``).
+  section through ``ups_optuna.parse_sweep``; the options of a plugin section, and each
+  section of ``plugins``, through the installed plugin (``Registry.select``, ``Config.section``).
 - ``toml``, ``json``: parsed.
 - ``bash``, ``console``: each command (every line of a bash block, each ``$ `` line of a
   console block; split at ``&&``, ``||``, ``;``, ``|``; ``NAME=value`` prefixes skipped) is
@@ -144,6 +144,11 @@ def check_yaml(block: Block, folder: Path) -> None:
             f"{block}: {section} {choice.name!r} is not installed (nox -s test-plugins)"
         )
         registry.select(family, choice.name, choice.options, section)
+    for name in config.plugins:  # plugins: {NAME: {...}}, each through its plugin's class
+        assert name in registry.records("section"), (
+            f"{block}: plugins.{name} is not installed (nox -s test-plugins)"
+        )
+        config.section(registry.get("section", name, f"plugins.{name}").options, name)
 
 
 def check_command(block: Block, words: list[str]) -> bool:

@@ -21,6 +21,8 @@ UPS = {
     "ups-blocks",
     "ups-tensorboard",
     "ups-optuna",
+    "ups-mlflow",
+    "ups-wandb",
 }
 """Every distribution of this repository."""
 CORE_ROW = ["sampler", "torch", "ups-dist-core", "ups-dist-core", "0.1.0", "enabled"]
@@ -59,6 +61,18 @@ def run(*args: str | Path, cwd: Path) -> str:
             {"tensorboard": "ups-tensorboard"},
             [],
             id="ups-tensorboard",
+        ),
+        pytest.param(  # a config section: `ups plugins` lists it
+            ["packages/ups-dist-core", "plugins/ups-mlflow"],
+            {"mlflow": "ups-mlflow"},
+            [["section", "mlflow", "mlflow", "ups-mlflow", "0.1.0", "enabled"]],
+            id="ups-mlflow",
+        ),
+        pytest.param(
+            ["packages/ups-dist-core", "plugins/ups-wandb"],
+            {"wandb": "ups-wandb"},
+            [["section", "wandb", "wandb", "ups-wandb", "0.1.0", "enabled"]],
+            id="ups-wandb",
         ),
     ],
 )

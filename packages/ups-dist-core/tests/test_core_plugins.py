@@ -9,12 +9,20 @@ import attrs
 import pytest
 from structlog.testing import capture_logs
 
-from ups.core import CommHookPlugin, ConfigError, SamplerPlugin, UsageError, hookimpl
+from ups.core import (
+    CommHookPlugin,
+    ConfigError,
+    SamplerPlugin,
+    SectionPlugin,
+    UsageError,
+    config_from_mapping,
+    hookimpl,
+)
 from ups.core.builtins import torch_sampler
 from ups.core.config import PluginChoice
 from ups.core.plugins import AUTOLOAD_ENV, BLOCK_ENV, load_plugins
-from ups.core.testing import install_plugin
-from ups.core.validate import select_sampler
+from ups.core.testing import install_plugin, tiny_project
+from ups.core.validate import select_sampler, validate
 
 
 @attrs.frozen
@@ -205,3 +213,33 @@ def test_an_unknown_sampler_offers_only_the_samplers_of_its_kind() -> None:
         with pytest.raises(ConfigError) as info:
             select_sampler(registry, PluginChoice(name="nope"), key, exact=exact)
         assert str(info.value) == f"{key}.name: unknown sampler 'nope'; available: {offered}"
+
+
+def test_validate_builds_each_plugins_section_through_its_plugin(tmp_path: Path) -> None:
+    def ups_config_sections() -> list[SectionPlugin]:
+        return [SectionPlugin(name="tracker", options=ReverseOptions)]
+
+    registry = load_plugins(
+        extra=[("mine", plugin(ups_config_sections=ups_config_sections))], env=NO_AUTOLOAD
+    )
+    tiny_project(tmp_path)
+    base = {
+        "model": {"factory": "tiny.py:build_model"},
+        "data": {"factory": "tiny.py:build_dataset"},
+    }
+
+    def check(plugins: object) -> None:
+        validate(config_from_mapping({**base, "plugins": plugins}, tmp_path), registry)
+
+    check({"tracker": {"stride": 2}})
+    config = config_from_mapping({**base, "plugins": {"tracker": {"stride": 2}}}, tmp_path)
+    assert config.section(ReverseOptions, "tracker") == ReverseOptions(stride=2)
+    assert config.section(ReverseOptions, "other") == ReverseOptions()
+    with pytest.raises(ConfigError, match=r"^plugins.tracker.stride: expected an integer"):
+        check({"tracker": {"stride": "2"}})
+    with pytest.raises(ConfigError, match=r"^plugins.tracker: expected a mapping of keys"):
+        check({"tracker": 3})
+    with pytest.raises(
+        ConfigError, match=r"^plugins.trakcer: unknown section 'trakcer'; available: tracker"
+    ):
+        check({"trakcer": {}})

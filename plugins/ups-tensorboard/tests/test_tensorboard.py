@@ -6,9 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.utils.data import TensorDataset
 
 from ups.core import Config, RunContext, load_config, load_plugins
 from ups.core.engine import train
@@ -16,13 +14,6 @@ from ups.core.testing import run_ranks
 from ups_tensorboard import plugin, tag
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
-
-
-def make_data(n: int = 64) -> TensorDataset:
-    """Two tasks, alternating: the target is the sum of the inputs, or its negation."""
-    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
-    task = torch.arange(n) % 2
-    return TensorDataset(x, x.sum(dim=1, keepdim=True) * (1 - 2 * task[:, None]), task)
 
 
 def _train(ctx: RunContext, config: Config) -> int:
@@ -38,8 +29,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"""
         run: {{name: tb, output_dir: {tmp_path}, log_every: 2}}
         model: {{factory: "torch.nn:Linear", options: {{in_features: 4, out_features: 1}}}}
-        data: {{factory: "{__file__}:make_data", tasks: [plus, minus]}}
-        eval: {{factory: "{__file__}:make_data", options: {{n: 16}}, every_steps: 2}}
+        data: {{factory: "ups.core.testing:two_task_dataset", tasks: [plus, minus]}}
+        eval: {{factory: "ups.core.testing:two_task_dataset", options: {{n: 16}}, every_steps: 2}}
         training: {{batch_size: 8}}
         """
     )

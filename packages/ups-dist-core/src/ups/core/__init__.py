@@ -47,8 +47,10 @@ if TYPE_CHECKING:
         Loaded,
         NoOptions,
         SamplerPlugin,
+        SectionPlugin,
         TrainResult,
     )
+    from .report import read_metrics, write_report
     from .step import Step, StepError
     from .watchdog import Watchdog
 
@@ -96,8 +98,11 @@ _EXPORTS = {
     "Loaded": ".records",
     "NoOptions": ".records",
     "SamplerPlugin": ".records",
+    "SectionPlugin": ".records",
     "TERMINAL": ".records",
     "TrainResult": ".records",
+    "read_metrics": ".report",
+    "write_report": ".report",
     "Step": ".step",
     "StepError": ".step",
 }
@@ -127,6 +132,7 @@ __all__ = [
     "Registry",
     "RunContext",
     "SamplerPlugin",
+    "SectionPlugin",
     "Step",
     "StepError",
     "TrainResult",
@@ -150,6 +156,7 @@ __all__ = [
     "load_config",
     "load_plugins",
     "one_of",
+    "read_metrics",
     "read_yaml",
     "resolved",
     "run_processes",
@@ -157,6 +164,7 @@ __all__ = [
     "train",
     "train_args",
     "write_atomically",
+    "write_report",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

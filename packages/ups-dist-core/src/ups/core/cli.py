@@ -393,13 +393,10 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import plot, read_metrics, run_name, summary
+    from .report import write_report
 
-    records = read_metrics(args.run_dir)
-    name = run_name(args.run_dir)
-    output = args.output or args.run_dir / "report.png"
-    plot(records, output, name)
-    print(summary(records, name))
+    output, table = write_report(args.run_dir, args.output)
+    print(table)
     print(f"plot: {output}")
     return EXIT_OK
 

@@ -1,7 +1,8 @@
 """The run configuration: one YAML file with every knob, as frozen attrs classes.
 
-Sections: ``run``, ``model``, ``data``, ``training``, ``distributed``, and one per plugin family
-(``sampler``, ``comm_hook``, ``checkpoint``, ``launch``), each naming a plugin and its options.
+Sections: ``run``, ``model``, ``data``, ``training``, ``distributed``, one per plugin family
+(``sampler``, ``comm_hook``, ``checkpoint``, ``launch``), each naming a plugin and its options,
+and ``plugins``, the sections plugins declare of their own.
 Overrides from the command line use dotted key paths: ``-o training.lr=3e-4``.
 """
 
@@ -24,6 +25,7 @@ from .schedule import Rule
 from .structure import above, at_least, structure
 
 F = TypeVar("F", bound="FactoryConfig")
+T = TypeVar("T")
 
 
 @attrs.frozen(kw_only=True)
@@ -272,11 +274,22 @@ class Config:
     launch: LaunchChoice = attrs.field(factory=LaunchChoice)
     schedule: tuple[Rule, ...] = ()
     """Training operations decided on rank 0 and applied on every rank (:mod:`ups.core.schedule`)."""
+    plugins: dict[str, Any] = attrs.field(factory=dict)
+    """The config sections plugins declare (``ups_config_sections``), by name: each a mapping
+    of the keys its plugin takes (``plugins: {mlflow: {experiment: pde}}``)."""
 
     @property
     def run_dir(self) -> Path:
         """The run's own folder: ``run.output_dir/run.name``."""
         return Path(self.run.output_dir) / self.run.name
+
+    def section(self, cls: type[T], name: str) -> T:
+        """The ``plugins.NAME`` section built into its plugin's options class ``cls``; a section
+        left out is built from ``cls``'s defaults.
+
+        :raises ConfigError: naming the key path of a key or value ``cls`` refuses.
+        """
+        return structure(cls, self.plugins.get(name), f"plugins.{name}")
 
     def digest(self) -> str:
         """A short hash of the resolved configuration; equal configs give equal digests."""

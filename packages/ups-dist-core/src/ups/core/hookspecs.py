@@ -4,7 +4,7 @@ A plugin is a module (or object) with functions named like these specs, marked w
 :data:`ups.core.hookimpl`, and listed under the ``ups`` entry-point group of its distribution.
 Hooks take keyword arguments only; an implementation may accept any subset of them.
 
-Registration (samplers, comm hooks, checkpoint backends, launchers, commands)
+Registration (samplers, comm hooks, checkpoint backends, launchers, commands, config sections)
     Each returns the records of what the plugin provides. The engine gathers them from all
     plugins; a name claimed by two plugins is an error naming both.
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         CommHookPlugin,
         LauncherPlugin,
         SamplerPlugin,
+        SectionPlugin,
         TrainResult,
     )
 
@@ -98,6 +99,24 @@ def ups_commands() -> Iterable[CommandPlugin]:
         @hookimpl
         def ups_commands():
             return [CommandPlugin(name="hello", factory=hello, description="say hello")]
+    """
+
+
+@hookspec
+def ups_config_sections() -> Iterable[SectionPlugin]:
+    """Declare config sections of the plugin's own: ``plugins: {NAME: {...}}`` in the config.
+
+    :returns: the :class:`~ups.core.records.SectionPlugin` records this plugin provides.
+
+    Example::
+
+        @attrs.frozen(kw_only=True)
+        class TrackerOptions:
+            project: str = "ups"
+
+        @hookimpl
+        def ups_config_sections():
+            return [SectionPlugin(name="tracker", options=TrackerOptions)]
     """
 
 

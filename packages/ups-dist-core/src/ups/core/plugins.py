@@ -33,6 +33,7 @@ from .records import (
     LauncherPlugin,
     PluginRecord,
     SamplerPlugin,
+    SectionPlugin,
 )
 from .structure import structure
 
@@ -45,13 +46,14 @@ BUILTIN_NAME = "ups-dist-core"
 BUILTINS = "ups.core.builtins"
 """The module of the built-in plugin, registered under the name ``ups-dist-core``."""
 
-Family = Literal["sampler", "comm_hook", "checkpoint", "launcher", "command"]
+Family = Literal["sampler", "comm_hook", "checkpoint", "launcher", "command", "section"]
 FAMILIES: Mapping[Family, tuple[str, type[PluginRecord]]] = {
     "sampler": ("ups_samplers", SamplerPlugin),
     "comm_hook": ("ups_comm_hooks", CommHookPlugin),
     "checkpoint": ("ups_checkpoint_backends", CheckpointBackendPlugin),
     "launcher": ("ups_launchers", LauncherPlugin),
     "command": ("ups_commands", CommandPlugin),
+    "section": ("ups_config_sections", SectionPlugin),
 }
 """Each registration family: its hook and the record type the hook returns."""
 
@@ -115,7 +117,8 @@ class Registry:
         records = self.records(family)
         if name in records:
             record = records[name].record  # its factory and options imported now, if lazily
-            lazy = {f: resolved(getattr(record, f)) for f in ("factory", "options")}
+            fields = attrs.fields_dict(type(record))
+            lazy = {f: resolved(getattr(record, f)) for f in ("factory", "options") if f in fields}
             return attrs.evolve(record, **lazy)
         available = list(records if offer is None else offer)
         failed = [p for p in self.plugins if p.status == "failed"]

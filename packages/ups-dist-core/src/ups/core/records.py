@@ -262,3 +262,14 @@ class TrainResult:
     ``samples_per_s``, ``oom_skipped``, user metrics, ...)."""
     eval_metrics: tuple[dict[str, float], ...] = ()
     """Every evaluation's metrics, over the whole evaluation set (``loss``, ``loss/<task>``)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Config sections
+
+
+@attrs.frozen(kw_only=True)
+class SectionPlugin(PluginRecord):
+    """A config section of a plugin's own: ``plugins.NAME`` in the config holds its keys, checked
+    against ``options`` by ``ups validate`` and ``ups train``. The plugin reads them back from
+    :attr:`ups.core.Config.plugins` with :meth:`ups.core.Config.section`."""

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["Record", "plot", "read_metrics", "run_name", "summary"]
+__all__ = ["Record", "plot", "read_metrics", "run_name", "summary", "write_report"]
 
 Record = dict[str, Any]
 """One line of ``metrics.jsonl``: ``kind`` (str), ``step`` (int) and numbers (``null`` read
@@ -246,3 +246,16 @@ def _panel(ax: Axes, name: str, records: Sequence[Record], keys: Sequence[str], 
         ax.set_yscale("log")
     if len(keys) > 1:
         ax.legend()
+
+
+def write_report(run_dir: Path, output: Path | None = None) -> tuple[Path, str]:
+    """What ``ups report RUN_DIR`` makes of a run folder: its figure, drawn into ``output``
+    (default ``RUN_DIR/report.png``), and its summary table; return both.
+
+    :raises UsageError: as :func:`read_metrics` and :func:`plot` do.
+    """
+    records = read_metrics(run_dir)
+    name = run_name(run_dir)
+    output = output or run_dir / "report.png"
+    plot(records, output, name)
+    return output, summary(records, name)

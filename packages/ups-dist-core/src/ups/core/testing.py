@@ -7,6 +7,7 @@ no mocks. The function must be importable by the spawned processes (defined at m
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import pickle
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 import yaml
+from torch.utils.data import TensorDataset
 
 from .context import distributed_session
 from .launch import free_port
@@ -75,6 +77,45 @@ def install_plugin(
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     (info / "entry_points.txt").write_text(f"[ups]\n{entry_point or name} = {module}\n")
     (info / "RECORD").write_text("")
+
+
+KILLER_MODULE = '''"""A plugin whose process kills itself (SIGKILL) once the checkpoint of step
+KILL_AT_STEP (an environment variable) is saved."""
+import os
+import signal
+
+from ups.core import hookimpl
+
+
+@hookimpl
+def ups_checkpoint_saved(step):
+    if step == int(os.environ.get("KILL_AT_STEP", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+'''
+"""A plugin's source for :func:`install_plugin`: its run dies as a machine loss would kill it,
+right after a checkpoint, to test what a resumed run continues."""
+
+
+def tracker_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The run folder's ``metrics.jsonl`` as an experiment tracker should hold it: each metric
+    as ``KIND/NAME`` (``train/loss``, ``eval/loss/TASK``) with its ``(step, value)`` pairs by
+    step; at a step reported twice (a resumed run) the later line wins; ``null`` left out."""
+    found: dict[str, dict[int, float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        kind, step = record.pop("kind"), record.pop("step")
+        for name, value in record.items():
+            if value is not None:
+                found.setdefault(f"{kind}/{name}", {})[step] = value
+    return {key: sorted(steps.items()) for key, steps in found.items()}
+
+
+def two_task_dataset(n: int = 64) -> TensorDataset:
+    """A ``data.factory`` of two tasks, alternating: the target is the sum of the 4 inputs, or
+    its negation; items are ``(inputs, target, task_id)``."""
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+    task = torch.arange(n) % 2
+    return TensorDataset(x, x.sum(dim=1, keepdim=True) * (1 - 2 * task[:, None]), task)
 
 
 def tiny_project(folder: Path, **sections: Any) -> Path:

@@ -47,6 +47,8 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     registry.select("checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint")
     if config.launch.name is not None:
         registry.select("launcher", config.launch.name, config.launch.options, "launch")
+    for name in config.plugins:
+        config.section(registry.get("section", name, f"plugins.{name}").options, name)
 
     t = config.training
     resolve(t.optimizer, OPTIMIZERS, "training.optimizer")

@@ -1,0 +1,243 @@
+"""The ``mlflow`` plugin: a logger through the lifecycle hooks, and the config section
+``plugins.mlflow``.
+
+Rank 0 alone logs, into one MLflow run per training run, when the config has a
+``plugins.mlflow`` section: the resolved config as params (dotted keys), every training report
+and evaluation as metrics ``train/NAME`` and ``eval/NAME`` at their optimizer step, the run's
+name and tags, and at the end the summary (tags ``ups.*``, ``summary.txt``) and the report's
+figure (``report.png``) as artifacts. The MLflow run's id is kept in ``RUN_DIR/mlflow.json``:
+a run that resumes from a checkpoint continues the same MLflow run.
+
+MLflow failing (a bad URI, a server down) never stops training: one warning, and the plugin
+logs nothing more for the run; the metrics stay in ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import structlog
+
+from ups.core import Config, RunContext, SectionPlugin, TrainResult, hookimpl, write_report
+
+log = structlog.get_logger()
+
+ID_FILE = "mlflow.json"
+"""In the run folder: ``{"run_id": ..., "tracking_uri": ...}`` of the MLflow run it logs to."""
+SWEEP_ENV = "UPS_OPTUNA_TRIAL"
+"""Set by ``ups sweep`` (ups-optuna) for a trial's processes: its study and trial number."""
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+"""MLflow's retries of a request to a tracking server, unless set: a server down costs seconds
+once, not the minutes of MLflow's own defaults (7 retries, 120 s each)."""
+PARAMS_PER_CALL = 100
+"""The most params MLflow takes in one ``log_batch``."""
+PARAM_LENGTH = 6000
+"""The longest param value MLflow stores; a longer one (a long schedule) is cut there."""
+
+
+@attrs.frozen(kw_only=True)
+class MlflowOptions:
+    """The ``plugins.mlflow`` section."""
+
+    tracking_uri: str | None = None
+    """Where runs go: ``sqlite:///mlflow.db``, ``http://host:5000``, ...; ``null``: MLflow's
+    own default (``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``)."""
+    experiment: str = "ups"
+    """The experiment the run goes to, created if missing."""
+    tags: dict[str, Any] = attrs.field(factory=dict)
+    """Tags of the run, besides ``ups.*``."""
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """The leaves of nested mappings, with dotted keys: ``training.lr``."""
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            yield from flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def sweep_tags(env: Mapping[str, str]) -> dict[str, str]:
+    """``ups.sweep.study`` and ``ups.sweep.trial`` inside a trial of ``ups sweep``, else none."""
+    if not env.get(SWEEP_ENV):
+        return {}
+    link = json.loads(env[SWEEP_ENV])
+    return {"ups.sweep.study": str(link["study"]), "ups.sweep.trial": str(link["trial"])}
+
+
+class MlflowTracker:
+    """Rank 0's MLflow run for one training run; on the other ranks, and without a
+    ``plugins.mlflow`` section, every method does nothing. The MLflow run is opened at the
+    first report, once it is known whether the training run resumed."""
+
+    def __init__(self) -> None:
+        self.config: Config | None = None
+        """The run's config while the tracker logs (rank 0, with a ``plugins.mlflow`` section)."""
+        self.options = MlflowOptions()
+        self.resumed = False
+        self.client: Any = None
+        self.run_id = ""
+
+    def start(self, ctx: RunContext, config: Config) -> None:
+        """Take a new run's config (rank 0, with a ``plugins.mlflow`` section)."""
+        active = ctx.is_main and "mlflow" in config.plugins
+        self.config = config if active else None
+        self.options = config.section(MlflowOptions, "mlflow") if active else MlflowOptions()
+        self.resumed, self.client, self.run_id = False, None, ""
+
+    def metrics(
+        self, kind: Literal["train", "eval"], step: int, values: Mapping[str, float]
+    ) -> None:
+        """Log one report's metrics as ``KIND/NAME`` at ``step``; NaN (not measured) left out."""
+
+        def log_batch() -> None:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            batch = [
+                Metric(f"{kind}/{name}", value, now, step)
+                for name, value in values.items()
+                if not math.isnan(value)
+            ]
+            self.client.log_batch(self.run_id, metrics=batch)
+
+        self._call("log metrics", log_batch)
+
+    def end(self, result: TrainResult) -> None:
+        """Log the summary and the report, and end the MLflow run."""
+
+        def finish() -> None:
+            assert self.config is not None
+            for key, value in attrs.asdict(result, filter=_summary_field).items():
+                self.client.set_tag(self.run_id, f"ups.{key}", str(value))
+            figure, table = write_report(self.config.run_dir)
+            self.client.log_artifact(self.run_id, str(figure))
+            self.client.log_text(self.run_id, table, "summary.txt")
+            status = "KILLED" if result.preempted else "FINISHED"
+            self.client.set_terminated(self.run_id, status)
+
+        self._call("end the run", finish)
+        self.config = None
+
+    def fail(self) -> None:
+        """Mark the MLflow run failed, if one is open; never raises (the run's error goes on)."""
+        if self.run_id:
+            self._call("end the run", lambda: self.client.set_terminated(self.run_id, "FAILED"))
+        self.config = None
+
+    def _call(self, what: str, action: Callable[[], object]) -> None:
+        """Run ``action`` against the open MLflow run (opened first if need be); on any error,
+        warn once and log nothing more."""
+        if self.config is None:
+            return
+        try:
+            if not self.run_id:
+                self._open(self.config)
+            action()
+        except Exception as error:
+            log.warning(
+                "mlflow failed; logging no more to it, the metrics stay in metrics.jsonl",
+                during=what,
+                tracking_uri=self.options.tracking_uri,
+                error=f"{type(error).__name__}: {' '.join(str(error).split())[:300]}",
+            )
+            self.config = None
+
+    def _open(self, config: Config) -> None:
+        """Continue the run folder's MLflow run when resuming, else start one."""
+        import mlflow
+
+        for name, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        uri = self.options.tracking_uri or mlflow.get_tracking_uri()
+        self.client = mlflow.MlflowClient(uri)
+        id_file = config.run_dir / ID_FILE
+        kept = _read_id(id_file)
+        if self.resumed and kept and kept.get("tracking_uri") == uri:
+            self.run_id = kept["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+            log.info("mlflow run continued", run_id=self.run_id, tracking_uri=uri)
+            return
+        experiment = self.client.get_experiment_by_name(self.options.experiment)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment is not None
+            else self.client.create_experiment(self.options.experiment)
+        )
+        tags = {str(k): str(v) for k, v in self.options.tags.items()}
+        tags |= {"ups.digest": config.digest()} | sweep_tags(os.environ)
+        run = self.client.create_run(experiment_id, run_name=config.run.name, tags=tags)
+        self.run_id = run.info.run_id
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(json.dumps({"run_id": self.run_id, "tracking_uri": uri}) + "\n")
+        log.info("mlflow run started", run_id=self.run_id, tracking_uri=uri)
+        self._params(config)
+
+    def _params(self, config: Config) -> None:
+        from mlflow.entities import Param
+
+        plain = json.loads(json.dumps(attrs.asdict(config), default=str))
+        params = [Param(key, json.dumps(value)[:PARAM_LENGTH]) for key, value in flatten(plain)]
+        for first in range(0, len(params), PARAMS_PER_CALL):
+            self.client.log_batch(self.run_id, params=params[first : first + PARAMS_PER_CALL])
+
+
+def _summary_field(attribute: attrs.Attribute[Any], _value: object) -> bool:
+    return attribute.name in ("steps", "epochs", "checkpoint", "preempted")
+
+
+def _read_id(path: Path) -> dict[str, str] | None:
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, dict) and "run_id" in kept else None
+
+
+_tracker = MlflowTracker()
+
+
+@hookimpl
+def ups_config_sections() -> list[SectionPlugin]:
+    return [
+        SectionPlugin(
+            name="mlflow", options=MlflowOptions, description="log runs to MLflow (rank 0)"
+        )
+    ]
+
+
+@hookimpl
+def ups_run_start(ctx: RunContext, config: Config) -> None:
+    _tracker.start(ctx, config)
+
+
+@hookimpl
+def ups_checkpoint_restore(ctx: RunContext) -> None:
+    _tracker.resumed = True
+
+
+@hookimpl
+def ups_step_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> None:
+    _tracker.metrics("train", step, metrics)
+
+
+@hookimpl
+def ups_eval_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> None:
+    _tracker.metrics("eval", step, metrics)
+
+
+@hookimpl
+def ups_run_end(ctx: RunContext, result: TrainResult) -> None:
+    _tracker.end(result)
+
+
+@hookimpl
+def ups_error(ctx: RunContext, error: BaseException) -> None:
+    _tracker.fail()
