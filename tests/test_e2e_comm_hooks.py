@@ -44,7 +44,7 @@ def run(folder: Path, nproc: int, name: str, options: dict[str, Any] | None = No
             "run.log_every=8",
             f"training.max_steps={STEPS}",
             f"checkpoint.every_steps={STEPS}",
-            "sampler.name=torch",  # as measured
+            "sampler={name: torch}",  # as measured
         ],
     )
     config = attrs.evolve(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,16 @@ PLUGINS = (
     "for p in load_plugins().plugins: print(p.name, p.distribution, p.status)"
 )
 """Prints each plugin ``ups`` finds (its entry point loaded, or failed), with its status."""
+ALONE = {
+    "ups-samplers": ["packages/ups-dist-core", "packages/ups-samplers"],
+    "ups-blocks": ["packages/ups-dist-core", "plugins/ups-blocks"],
+    "ups-tensorboard": ["packages/ups-dist-core", "plugins/ups-tensorboard"],
+    "ups-mlflow": ["packages/ups-dist-core", "plugins/ups-mlflow"],
+    "ups-wandb": ["packages/ups-dist-core", "plugins/ups-wandb"],
+}
+"""Each distribution installed alone (with ups-dist-core's folder beside it), by name."""
+DEVELOP = "develop"
+"""The contributor's venv: ``pip install -r requirements-dev.txt``."""
 
 
 def run(*args: str | Path, cwd: Path) -> str:
@@ -41,35 +52,61 @@ def run(*args: str | Path, cwd: Path) -> str:
     return result.stdout
 
 
+def _install(venv: Path, name: str) -> Path:
+    """A fresh venv at ``venv`` with ``name`` installed: one of :data:`ALONE` from its
+    folders, or :data:`DEVELOP`. torch is pinned to the build on this machine's disk (the
+    distributions ask for any torch >= 2.2), the rest by the constraints nox installs with,
+    so that pip resolves at once."""
+    run(sys.executable, "-m", "venv", venv, cwd=ROOT)
+    pip: list[str | Path] = [venv / "bin" / "python", "-m", "pip", "install", "-q"]
+    pip += ["-c", ROOT / "constraints-ci.txt"]
+    if name == DEVELOP:
+        run(*pip, "-r", "requirements-dev.txt", cwd=ROOT)
+    else:
+        run(*pip, "torch==2.13.0", *(ROOT / folder for folder in ALONE[name]), cwd=ROOT)
+    return venv
+
+
+@pytest.fixture(scope="module")
+def venvs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Path]]:
+    """Every venv of this module, installed at once (pip spends most of its time waiting on
+    downloads and disks, so the six installs overlap well even on two cores); a test's
+    ``result()`` is its venv, or raises what failed in installing it."""
+    root = tmp_path_factory.mktemp("venvs")
+    names = [*ALONE, DEVELOP]
+    with ThreadPoolExecutor(len(names)) as pool:
+        return {name: pool.submit(_install, root / name, name) for name in names}
+
+
 @pytest.mark.parametrize(
-    ("folders", "plugins", "rows"),
+    ("name", "plugins", "rows"),
     [
         pytest.param(
-            ["packages/ups-dist-core", "packages/ups-samplers"],
+            "ups-samplers",
             {"ups-samplers": "ups-samplers"},
             [["sampler", "tensor", "ups-samplers", "ups-samplers", "0.1.0", "enabled"]],
             id="ups-samplers",
         ),
         pytest.param(
-            ["packages/ups-dist-core", "plugins/ups-blocks"],
+            "ups-blocks",
             {"blocks": "ups-blocks"},
             [["sampler", "blocks", "blocks", "ups-blocks", "0.1.0", "enabled"]],
             id="ups-blocks",
         ),
         pytest.param(  # hooks only: no record, so `ups plugins` has no row of its own
-            ["packages/ups-dist-core", "plugins/ups-tensorboard"],
+            "ups-tensorboard",
             {"tensorboard": "ups-tensorboard"},
             [],
             id="ups-tensorboard",
         ),
         pytest.param(  # a config section: `ups plugins` lists it
-            ["packages/ups-dist-core", "plugins/ups-mlflow"],
+            "ups-mlflow",
             {"mlflow": "ups-mlflow"},
             [["section", "mlflow", "mlflow", "ups-mlflow", "0.1.0", "enabled"]],
             id="ups-mlflow",
         ),
         pytest.param(
-            ["packages/ups-dist-core", "plugins/ups-wandb"],
+            "ups-wandb",
             {"wandb": "ups-wandb"},
             [["section", "wandb", "wandb", "ups-wandb", "0.1.0", "enabled"]],
             id="ups-wandb",
@@ -77,55 +114,35 @@ def run(*args: str | Path, cwd: Path) -> str:
     ],
 )
 def test_installing_one_distribution_alone(
-    folders: list[str], plugins: dict[str, str], rows: list[list[str]], tmp_path: Path
+    name: str, plugins: dict[str, str], rows: list[list[str]], venvs: dict[str, Future[Path]]
 ) -> None:
-    venv = tmp_path / "venv"
-    run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
+    venv = venvs[name].result()
     python = venv / "bin" / "python"
-    # torch pinned to the build on this machine's disk (the distributions ask for any torch >=
-    # 2.2), the rest by the constraints nox installs with, so that pip resolves at once
-    constraints = ROOT / "constraints-ci.txt"
-    folder_paths = [ROOT / folder for folder in folders]
-    pip: list[str | Path] = [
-        python,
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "-c",
-        constraints,
-        "torch==2.13.0",
-    ]
-    run(*pip, *folder_paths, cwd=tmp_path)
-    installed = run(python, "-m", "pip", "list", "--format=freeze", cwd=tmp_path).lower()
+    installed = run(python, "-m", "pip", "list", "--format=freeze", cwd=venv).lower()
     names = {line.split("==")[0] for line in installed.split()}
     assert "torch" in names
     assert names & UPS == {"ups-dist-core", *plugins.values()}
-    loaded = {tuple(line.split()) for line in run(python, "-c", PLUGINS, cwd=tmp_path).splitlines()}
+    loaded = {tuple(line.split()) for line in run(python, "-c", PLUGINS, cwd=venv).splitlines()}
     expected = {("ups-dist-core", "ups-dist-core"), *plugins.items()}
     assert loaded == {(name, distribution, "enabled") for name, distribution in expected}
-    listing = run(venv / "bin" / "ups", "plugins", cwd=tmp_path)
+    listing = run(venv / "bin" / "ups", "plugins", cwd=venv)
     listed = [line.split() for line in listing.splitlines()]
     for row in [CORE_ROW, *rows]:
         assert row in listed
 
 
-def test_the_contributor_install_is_every_distribution_editable(tmp_path: Path) -> None:
+def test_the_contributor_install_is_every_distribution_editable(
+    venvs: dict[str, Future[Path]],
+) -> None:
     """README "Developing": ``pip install -r requirements-dev.txt``, a list of ``-e FOLDER``
     requests, resolves (an editable ups-dist-core satisfies the others' requirement of it) and
-    installs each distribution editable, imported from the tree. The venv sees the test
-    environment's packages (``--system-site-packages``) so that torch and the like are not
-    installed again; every ups distribution is installed into it all the same."""
-    venv = tmp_path / "venv"
-    run(sys.executable, "-m", "venv", "--system-site-packages", venv, cwd=tmp_path)
+    installs each distribution editable, imported from the tree."""
+    venv = venvs[DEVELOP].result()
     python = venv / "bin" / "python"
-    run(python, "-m", "pip", "install", "-q", "-r", "requirements-dev.txt", cwd=ROOT)
     local = run(python, "-m", "pip", "list", "--local", "--editable", "--format=freeze", cwd=ROOT)
     assert {line.split("==")[0].lower() for line in local.split()} == UPS
     where = "import ups.samplers, ups_blocks; print(ups.samplers.__file__, ups_blocks.__file__)"
-    for path in run(python, "-c", where, cwd=tmp_path).split():
+    for path in run(python, "-c", where, cwd=venv).split():
         assert Path(path).is_relative_to(ROOT)
-    listed = [
-        line.split() for line in run(venv / "bin" / "ups", "plugins", cwd=tmp_path).splitlines()
-    ]
+    listed = [line.split() for line in run(venv / "bin" / "ups", "plugins", cwd=venv).splitlines()]
     assert ["sampler", "blocks", "blocks", "ups-blocks", "0.1.0", "enabled"] in listed

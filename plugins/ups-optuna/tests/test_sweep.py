@@ -236,8 +236,9 @@ def test_a_trial_worse_than_the_median_is_pruned_on_every_rank_at_one_step(
         events = [
             json.loads(line) for line in (logs / f"rank{rank}.jsonl").read_text().splitlines()
         ]
-        assert [(e["event"], e["step"]) for e in events if "step" in e] == [("eval", 2)]
-        assert second.intermediate_values == {2: pytest.approx(events[-1]["val_loss"], rel=1e-5)}
+        stepped = [e for e in events if "step" in e]
+        assert [(e["event"], e["step"]) for e in stepped] == [("eval", 2)]
+        assert second.intermediate_values == {2: pytest.approx(stepped[0]["val_loss"], rel=1e-5)}
 
 
 def test_k_fold_trains_each_trial_once_per_fold_and_scores_the_mean(tmp_path: Path) -> None:
