@@ -5,9 +5,12 @@ distribution and plugin editable into one venv with the README's one command."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -67,15 +70,33 @@ def _install(venv: Path, name: str) -> Path:
     return venv
 
 
+_POOL = ThreadPoolExecutor(len(ALONE) + 1)
+_BUILT: dict[str, Future[Path]] = {}
+_ROOTS: list[Path] = []
+
+
+def start_installs() -> dict[str, Future[Path]]:
+    """Start building every venv of this module (once), each in a new temporary folder.
+
+    tests/conftest.py calls it as soon as these tests are collected: pip spends most of its
+    time waiting on downloads and disks, so the six installs build beside the tests that run
+    first, and beside each other. A venv's ``result()`` is its folder, or raises what failed."""
+    if not _BUILT:
+        root = Path(tempfile.mkdtemp(prefix="ups-install-"))
+        _ROOTS.append(root)
+        for name in [*ALONE, DEVELOP]:
+            _BUILT[name] = _POOL.submit(_install, root / name, name)
+    return _BUILT
+
+
 @pytest.fixture(scope="module")
-def venvs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Path]]:
-    """Every venv of this module, installed at once (pip spends most of its time waiting on
-    downloads and disks, so the six installs overlap well even on two cores); a test's
-    ``result()`` is its venv, or raises what failed in installing it."""
-    root = tmp_path_factory.mktemp("venvs")
-    names = [*ALONE, DEVELOP]
-    with ThreadPoolExecutor(len(names)) as pool:
-        return {name: pool.submit(_install, root / name, name) for name in names}
+def venvs() -> Iterator[dict[str, Future[Path]]]:
+    """The venvs of :func:`start_installs`, deleted after this module's tests."""
+    built = start_installs()
+    yield built
+    wait(built.values())
+    for root in _ROOTS:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize(
