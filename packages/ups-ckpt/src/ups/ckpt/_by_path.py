@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ups.core import Checkpointer, ConfigError, RunContext, resolved, structure
+from ups.core import Checkpointer, ConfigError, RunContext, structure
 
 from .plugin import ups_checkpoint_backends
 
@@ -52,6 +52,7 @@ def checkpointer(
                 f"{text} is a file; give a folder (made when missing) or a URL (s3://...)",
             )
         record = backends["sharded" if sharded else "local"]
-    built: Any = structure(resolved(record.options), options)
+    record = record.loaded()
+    built: Any = structure(record.options, options)
     checkpoints: Checkpointer = record.factory(ctx=ctx, directory=directory, options=built)
     return checkpoints

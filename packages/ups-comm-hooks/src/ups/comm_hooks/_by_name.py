@@ -12,7 +12,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ups.core import ConfigError, RunContext, did_you_mean, one_of, resolved, structure
+from ups.core import ConfigError, RunContext, did_you_mean, one_of, structure
 
 from .plugin import ups_comm_hooks
 
@@ -45,10 +45,9 @@ def register_hook(
             "name",
             f"unknown comm hook {name!r}; allowed: {one_of(records)}{did_you_mean(name, records)}",
         )
-    record = records[name]
-    options_class = resolved(record.options)
-    if not isinstance(options, options_class):
-        options = structure(options_class, options, "options")
+    record = records[name].loaded()
+    if not isinstance(options, record.options):
+        options = structure(record.options, options, "options")
     if not isinstance(ddp, DistributedDataParallel):
         raise ConfigError(
             "ddp", f"expected a DistributedDataParallel model, got a {type(ddp).__name__}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .lazy import imported, lazy_exports, resolved
+from .lazy import imported, lazy_exports
 from .structure import above, at_least, structure  # eager: ``structure`` is a module's name too
 
 if TYPE_CHECKING:
@@ -158,7 +158,6 @@ __all__ = [
     "one_of",
     "read_metrics",
     "read_yaml",
-    "resolved",
     "run_processes",
     "structure",
     "train",

@@ -24,7 +24,6 @@ import structlog
 
 from . import hookspecs
 from .errors import ConfigError, UsageError, did_you_mean, one_of
-from .lazy import resolved
 from .markers import NAME
 from .records import (
     CheckpointBackendPlugin,
@@ -116,10 +115,7 @@ class Registry:
         """
         records = self.records(family)
         if name in records:
-            record = records[name].record  # its factory and options imported now, if lazily
-            fields = attrs.fields_dict(type(record))
-            lazy = {f: resolved(getattr(record, f)) for f in ("factory", "options") if f in fields}
-            return attrs.evolve(record, **lazy)
+            return records[name].record.loaded()  # type: ignore[no-any-return]
         available = list(records if offer is None else offer)
         failed = [p for p in self.plugins if p.status == "failed"]
         note = "".join(

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from .lazy import resolved
+
 if TYPE_CHECKING:  # annotations only: describing a plugin imports no torch
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import Sampler
@@ -49,6 +51,13 @@ class PluginRecord:
     """An attrs class; the config's ``options`` mapping is checked against and built into it."""
     description: str = ""
     """One line shown by ``ups plugins``."""
+
+    def loaded(self) -> Any:
+        """This record with its ``factory`` and ``options`` imported, where they are named with
+        :func:`ups.core.imported` (what building from it needs; listing it does not)."""
+        fields = attrs.fields_dict(type(self))
+        lazy = {f: resolved(getattr(self, f)) for f in ("factory", "options") if f in fields}
+        return attrs.evolve(self, **lazy)
 
 
 # ---------------------------------------------------------------------------------------------
