@@ -27,6 +27,7 @@ def start(out: Path, die_at: int = 0) -> subprocess.Popen[str]:
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
         *("--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"),
+        *("--tee", "3", "--log-dir", str(out / "logs")),  # whole lines, each with its rank
         *(str(ROOT / "examples/own_loop.py"), "--out", str(out)),
         *("--steps", str(STEPS), "--every", str(EVERY), "--samples", "32"),
     ]
@@ -53,8 +54,7 @@ def test_killed_and_restarted_it_ends_bitwise_equal_to_a_run_never_stopped(
     for name, run in runs.items():
         assert run.returncode == 0, f"the {name} run failed:\n{output[name]}"
     assert "resumed" not in output["whole"]
-    # the ranks write to one pipe: their lines may run into each other
-    resumed = dict(re.findall(r"resumed\s+rank=(\d+) step=(\d+)", output["killed"]))
+    resumed = dict(re.findall(r"resumed\s+rank=(\d+) step=(\d+)$", output["killed"], re.M))
     assert resumed.keys() == {"0", "1"}, output["killed"]
     assert set(resumed.values()) in ({"8"}, {"4"}), output["killed"]  # every rank the same
     whole, killed = final(tmp_path / "whole"), final(tmp_path / "killed")
