@@ -286,3 +286,12 @@ def bench_cli(session: nox.Session) -> None:
     install(session, *PACKAGES)
     session.install("-c", str(CONSTRAINTS), "./plugins/ups-tensorboard", "./plugins/ups-optuna")
     session.run("python", "benchmarks/bench_cli.py", *session.posargs)
+
+
+@nox.session(name="bench_launch", default=False)
+def bench_launch(session: nox.Session) -> None:
+    """Benchmark how long ``ups.core.train(config, nproc=2)`` takes to start its ranks, forked
+    from ups's forkserver against spawned, on a tiny project; see benchmarks/README.md. Not a
+    default session: ``nox -s bench_launch``; ``-- --repeats 9 --nproc 4`` for more."""
+    install(session, "core")
+    session.run("python", "benchmarks/bench_launch.py", *session.posargs)

@@ -53,7 +53,7 @@ def agent_exports() -> list[str]:
     return [f"export {name}={value}" for name, value in AGENT_ENV.items()]
 
 
-def _launch_config(nproc: int, max_restarts: int) -> LaunchConfig:
+def _launch_config(nproc: int, max_restarts: int, start_method: str = "spawn") -> LaunchConfig:
     from torch.distributed.launcher.api import LaunchConfig
 
     for name, value in AGENT_ENV.items():
@@ -67,7 +67,7 @@ def _launch_config(nproc: int, max_restarts: int) -> LaunchConfig:
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
     )
 
 
@@ -87,14 +87,26 @@ def run_processes(
     """
     from torch.distributed.launcher.api import elastic_launch
 
+    from .forkserver import start_method
+
     distributed = distributed or DistributedConfig()
-    results = elastic_launch(_launch_config(nproc, max_restarts), _worker)(fn, args, distributed)
+    launch = elastic_launch(_launch_config(nproc, max_restarts, start_method()), _worker)
+    results = launch(fn, args, distributed, dict(os.environ))
     return results[0]  # type: ignore[no-any-return]
 
 
-def _worker(fn: Callable[..., T], args: tuple[Any, ...], d: DistributedConfig) -> T:
+def _worker(
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    d: DistributedConfig,
+    environment: Mapping[str, str] | None = None,
+) -> T:
     from .context import distributed_session
 
+    if environment is not None:  # started by run_processes
+        from .forkserver import restore_environment
+
+        restore_environment(environment)
     with distributed_session(d.enabled, d.backend, d.timeout_s) as ctx:
         logs.configure(ctx)
         return fn(ctx, *args)

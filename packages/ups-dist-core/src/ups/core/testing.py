@@ -1,7 +1,7 @@
 """Test helpers for ups and its plugins: run a function on real local process groups.
 
 Like PyTorch's ``MultiProcessTestCase``: real processes, a real gloo process group on CPU,
-no mocks. The function must be importable by the spawned processes (defined at module level).
+no mocks. The function must be importable by the new processes (defined at module level).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import yaml
 from torch.utils.data import TensorDataset
 
 from .context import distributed_session
+from .forkserver import restore_environment, start_method
 from .launch import free_port
 
 T = TypeVar("T")
@@ -178,7 +179,8 @@ def run_ranks(
     env: Callable[[int, int, int], Mapping[str, str]] = torchrun_env,
     timeout_s: float = 60.0,
 ) -> list[T]:
-    """Run ``fn(ctx, *args)`` in ``world_size`` spawned processes; return each rank's result.
+    """Run ``fn(ctx, *args)`` in ``world_size`` new processes (forked from ups's forkserver,
+    see :mod:`ups.core.forkserver`, or spawned); return each rank's result.
 
     Each process gets ``env(rank, world_size, port)`` as its launcher environment and joins a
     gloo process group through :func:`~ups.core.distributed_session` (``enabled=True``).
@@ -186,12 +188,13 @@ def run_ranks(
     :raises AssertionError: naming the rank, with its traceback, when a rank raises or hangs.
     """
     port = free_port()
-    spawn = multiprocessing.get_context("spawn")
-    queue = spawn.Queue()
+    context: Any = multiprocessing.get_context(start_method())  # typeshed: no Process here
+    queue = context.Queue()
+    launcher = dict(os.environ)
     procs = [
-        spawn.Process(
+        context.Process(
             target=_child,
-            args=(fn, rank, dict(env(rank, world_size, port)), args, queue, timeout_s),
+            args=(fn, rank, launcher | dict(env(rank, world_size, port)), args, queue, timeout_s),
         )
         for rank in range(world_size)
     ]
@@ -228,7 +231,7 @@ def _child(
     queue: Any,
     timeout_s: float,
 ) -> None:
-    os.environ.update(env)
+    restore_environment(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         with distributed_session(True, "gloo", timeout_s) as ctx:
