@@ -25,13 +25,42 @@ MIN_GLOBAL_BATCH = 16
 """Below this many samples per optimizer step over all ranks, gradients are mostly noise."""
 TORCH_NAMES = {
     "training.optimizer": frozenset(
-        "adadelta adafactor adagrad adam adamax adamw asgd lbfgs muon nadam radam rmsprop "
-        "rprop sgd sparseadam".split()
+        [
+            "adadelta",
+            "adafactor",
+            "adagrad",
+            "adam",
+            "adamax",
+            "adamw",
+            "asgd",
+            "lbfgs",
+            "muon",
+            "nadam",
+            "radam",
+            "rmsprop",
+            "rprop",
+            "sgd",
+            "sparseadam",
+        ]
     ),
     "training.scheduler": frozenset(
-        "chainedscheduler constantlr cosineannealinglr cosineannealingwarmrestarts cycliclr "
-        "exponentiallr lambdalr linearlr multiplicativelr multisteplr onecyclelr polynomiallr "
-        "reducelronplateau sequentiallr steplr".split()
+        [
+            "chainedscheduler",
+            "constantlr",
+            "cosineannealinglr",
+            "cosineannealingwarmrestarts",
+            "cycliclr",
+            "exponentiallr",
+            "lambdalr",
+            "linearlr",
+            "multiplicativelr",
+            "multisteplr",
+            "onecyclelr",
+            "polynomiallr",
+            "reducelronplateau",
+            "sequentiallr",
+            "steplr",
+        ]
     ),
 }
 """torch's optimizer and scheduler names as :mod:`ups.core.optim` finds them in the torch that
