@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ups.core import ConfigError, load_config, load_plugins, train
-from ups.core.testing import tiny_project
 from ups.core.optim import OPTIMIZERS, SCHEDULERS
+from ups.core.testing import tiny_project
 from ups.core.validate import TORCH_NAMES, validate
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pde_multitask.py"
@@ -138,7 +138,7 @@ def test_optimizer_scheduler_and_precision_are_validated(
 
 
 def test_the_names_validate_knows_without_torch_are_torchs() -> None:
-    assert TORCH_NAMES == {
+    assert {
         "training.optimizer": OPTIMIZERS.keys(),
         "training.scheduler": SCHEDULERS.keys(),
-    }
+    } == TORCH_NAMES

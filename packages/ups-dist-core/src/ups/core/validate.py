@@ -86,13 +86,11 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     sampler, _ = select_sampler(registry, config.sampler, "sampler", exact=False, factory=False)
     if config.eval is not None:
         select_sampler(registry, config.eval.sampler, "eval.sampler", exact=True, factory=False)
-    for family, choice, key in (
-        ("comm_hook", config.comm_hook, "comm_hook"),
-        ("checkpoint", config.checkpoint, "checkpoint"),
-        ("launcher", config.launch, "launch"),
-    ):
-        if choice.name is not None:
-            registry.select(family, choice.name, choice.options, key, factory=False)
+    comm, ckpt, launch = config.comm_hook, config.checkpoint, config.launch
+    registry.select("comm_hook", comm.name, comm.options, "comm_hook", factory=False)
+    registry.select("checkpoint", ckpt.name, ckpt.options, "checkpoint", factory=False)
+    if launch.name is not None:
+        registry.select("launcher", launch.name, launch.options, "launch", factory=False)
     for name in config.plugins:
         config.section(registry.get("section", name, f"plugins.{name}").options, name)
 
