@@ -390,8 +390,8 @@ def test_the_watchdog_names_the_user_code_a_step_runs() -> None:
         forward(SeenModel(watched), (torch.ones(2, 3), torch.zeros(2, 3)))
         watched.see()
     assert watched.seen == [
-        "model.factory",  # the built-in step's forward calls the model
-        None,  # its loss is ups's
+        None,  # the built-in step's forward and loss are ups's
+        None,
         "step.factory (OwnStep.forward)",
         "step.factory (OwnStep.forward)",  # the model, called from the step's forward
         "step.factory (OwnStep.loss)",

@@ -63,9 +63,8 @@ class Taken:
 class Forward:
     """One micro-batch through a step: to the device, the step's forward and loss under
     autocast, its metrics without gradients; the same in training, evaluation and trials.
-    ``watchdog`` is told which user code runs, by the config key naming it: the model
-    (``model.factory``, through the built-in forward), a step's own ``forward`` and ``loss``
-    (``step.factory``), the metrics (``metrics.factory``)."""
+    ``watchdog`` is told which user code runs, by the config key naming it: a step's own
+    ``forward`` and ``loss`` (``step.factory``), the metrics (``metrics.factory``)."""
 
     def __init__(
         self,
@@ -80,10 +79,10 @@ class Forward:
         self.step, self.ctx, self.metrics, self.watchdog = step, ctx, metrics, watchdog
         self._precision, self._non_blocking = precision, pinned and ctx.device.type == "cuda"
         self._name = type(step).__qualname__
-        own = type(step).forward is not Step.forward
-        self._forward_key = f"step.factory ({self._name}.forward)" if own else "model.factory"
-        built_in = type(step).loss is Step.loss and isinstance(_raw(step, "criterion"), str)
-        self._loss_key = None if built_in else f"step.factory ({self._name}.loss)"
+        own_forward = type(step).forward is not Step.forward
+        own_loss = type(step).loss is not Step.loss or callable(_raw(step, "criterion"))
+        self._forward_key = f"step.factory ({self._name}.forward)" if own_forward else None
+        self._loss_key = f"step.factory ({self._name}.loss)" if own_loss else None
 
     def __call__(self, module: nn.Module, batch: Any) -> tuple[torch.Tensor, Taken]:
         """The micro-batch's mean loss (to differentiate) and what it adds to the metrics."""
