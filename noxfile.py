@@ -42,6 +42,8 @@ DOCS_TESTS = (
     "tests/test_docs_config.py",
     "tests/test_docs_claims.py",
 )
+WITH_PLUGINS = ("tests/test_e2e_cli_imports.py",)
+"""Cross-package tests that need every plugin of plugins/ installed too: run in ``test-plugins``."""
 CONSTRAINTS = ROOT / "constraints-ci.txt"
 """Exact versions of the S3 test stack, which pip's resolver otherwise backtracks through."""
 
@@ -130,7 +132,7 @@ def integration(session: nox.Session) -> None:
     session.install("-c", str(CONSTRAINTS), "h5py")
     # tests/gpu is the GPU suite (nox -s gpu); tests/test_gpu_suite.py checks here that it
     # collects and skips every test for "no CUDA device".
-    ignored = (*DOCS_TESTS, "tests/gpu")
+    ignored = (*DOCS_TESTS, *WITH_PLUGINS, "tests/gpu")
     pytest(session, "integration", "tests", *(f"--ignore={t}" for t in ignored))
     session.install(TOOLS["mypy"], "types-PyYAML", "types-tqdm")
     session.run("mypy", *(f"packages/{d}/src" for d in PACKAGES.values()))
@@ -170,7 +172,8 @@ def gpu(session: nox.Session) -> None:
 def test_plugins(session: nox.Session) -> None:
     """The plugins, installed from their folders with pip as a user installs them (not
     editable), with every distribution of packages/ (the docs select their plugins): the
-    plugins' tests, their types, the docs' tests, and the site built with ``mkdocs --strict``."""
+    plugins' tests, their types, the docs' tests, the commands that do not train importing no
+    torch, and the site built with ``mkdocs --strict``."""
     session.install(
         "-c", str(CONSTRAINTS), TORCH, "pytest>=8", TOOLS["mypy"], "types-PyYAML", *DOCS
     )
@@ -181,7 +184,8 @@ def test_plugins(session: nox.Session) -> None:
         *(f"./plugins/{p}" for p in PLUGINS),
     )
     session.run("ups", "plugins")
-    pytest(session, "test-plugins", *(f"plugins/{p}/tests" for p in PLUGINS), *DOCS_TESTS)
+    tests = (*(f"plugins/{p}/tests" for p in PLUGINS), *DOCS_TESTS, *WITH_PLUGINS)
+    pytest(session, "test-plugins", *tests)
     session.run("mypy", *(f"plugins/{p}/src" for p in PLUGINS))
     session.run(
         "mkdocs", "build", "--strict", "--site-dir", str(Path(session.create_tmp()) / "site")
@@ -280,9 +284,8 @@ def bench_pipeline(session: nox.Session) -> None:
 def bench_cli(session: nox.Session) -> None:
     """Benchmark how fast ``ups`` answers when it does not train (``--help``, ``status``,
     ``plugins``) beside ``python -c pass`` and ``import torch``, with every distribution of
-    packages/ and the plugins ups-tensorboard and ups-optuna installed (ups-blocks, the one-file
-    example of docs/plugins.md, imports torch with its module); see benchmarks/README.md. Not a
-    default session: ``nox -s bench_cli``; ``-- --repeats 9`` for more runs."""
+    packages/ and the plugins ups-tensorboard and ups-optuna installed; see benchmarks/README.md.
+    Not a default session: ``nox -s bench_cli``; ``-- --repeats 9`` for more runs."""
     install(session, *PACKAGES)
     session.install("-c", str(CONSTRAINTS), "./plugins/ups-tensorboard", "./plugins/ups-optuna")
     session.run("python", "benchmarks/bench_cli.py", *session.posargs)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from ups.core import ConfigError, load_config, load_plugins, train
+from ups.core.optim import OPTIMIZERS, SCHEDULERS
 from ups.core.testing import tiny_project
-from ups.core.validate import validate
+from ups.core.validate import TORCH_NAMES, validate
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pde_multitask.py"
 
@@ -134,3 +135,10 @@ def test_optimizer_scheduler_and_precision_are_validated(
     config = load_config(tiny_project(tmp_path), [override])
     with pytest.raises(ConfigError, match=message):
         validate(config, load_plugins(env={"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}))
+
+
+def test_the_names_validate_knows_without_torch_are_torchs() -> None:
+    assert {
+        "training.optimizer": OPTIMIZERS.keys(),
+        "training.scheduler": SCHEDULERS.keys(),
+    } == TORCH_NAMES

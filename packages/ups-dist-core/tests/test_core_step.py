@@ -341,3 +341,59 @@ def test_a_mean_loss_counts_for_the_samples_it_says_it_averages() -> None:
     taken.count(window, forward.metrics)  # 40 tokens of 2 again
     result = window.report(ctx).result()
     assert result["loss"] == pytest.approx((80 * 2 + 10 * 8) / 90)
+
+
+class Watched:
+    """What the watchdog says this rank runs, seen from inside the user code."""
+
+    def __init__(self, watchdog: Any) -> None:
+        self.watchdog, self.seen = watchdog, []
+
+    def see(self) -> None:
+        self.seen.append(self.watchdog.post().user)
+
+
+class SeenModel(torch.nn.Module):
+    def __init__(self, watched: Watched) -> None:
+        super().__init__()
+        self.watched = watched
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.watched.see()
+        return x
+
+
+class OwnStep(Step):
+    watched: Watched
+
+    def forward(self, model: torch.nn.Module, batch: Any) -> Any:
+        self.watched.see()
+        return super().forward(model, batch)
+
+    def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        self.watched.see()
+        return outputs.sum(dim=1)  # type: ignore[no-any-return]
+
+
+def test_the_watchdog_names_the_user_code_a_step_runs() -> None:
+    from ups.core import RunContext
+    from ups.core.stepping import Forward
+    from ups.core.user_metrics import UserMetrics
+    from ups.core.watchdog import Watchdog
+
+    ctx = RunContext()
+    watched = Watched(Watchdog(ctx, "test"))
+    OwnStep.watched = watched
+    for step in (Step(), OwnStep()):
+        metrics = UserMetrics({}, ("all",), ctx.device)
+        forward = Forward(step, ctx, "fp32", metrics, watched.watchdog, pinned=False)
+        forward(SeenModel(watched), (torch.ones(2, 3), torch.zeros(2, 3)))
+        watched.see()
+    assert watched.seen == [
+        None,  # the built-in step's forward and loss are ups's
+        None,
+        "step.factory (OwnStep.forward)",
+        "step.factory (OwnStep.forward)",  # the model, called from the step's forward
+        "step.factory (OwnStep.loss)",
+        None,
+    ]

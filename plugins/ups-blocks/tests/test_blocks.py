@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ from torch.utils.data import TensorDataset
 from ups.core import Config, ConfigError, RunContext, load_config, load_plugins
 from ups.core.engine import train
 from ups.core.testing import run_ranks
-from ups_blocks import plugin
+from ups_blocks import plugin, sampler
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
@@ -17,7 +19,7 @@ NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
 def test_selected_by_name_with_options() -> None:
     registry = load_plugins(extra=[("blocks", plugin)], env=NO_AUTOLOAD)
     record, options = registry.select("sampler", "blocks", {"repeats": 2}, "sampler")
-    assert record.factory is plugin.block_sampler
+    assert record.factory is sampler.block_sampler
     assert options == plugin.BlockOptions(repeats=2)
 
 
@@ -32,10 +34,16 @@ def test_the_installed_entry_point_is_found() -> None:
     assert registry.records("sampler")["blocks"].plugin == "blocks"
 
 
+def test_listing_it_imports_no_torch() -> None:
+    code = "import sys, ups_blocks.plugin as p; p.ups_samplers(); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout == "False\n", result.stderr
+
+
 def _indices(ctx: RunContext, size: int) -> list[int]:
-    sampler = plugin.block_sampler(range(size), ctx=ctx, seed=0, options=plugin.BlockOptions())
-    sampler.set_epoch(1)
-    return sorted(sampler)
+    blocks = sampler.block_sampler(range(size), ctx=ctx, seed=0, options=plugin.BlockOptions())
+    blocks.set_epoch(1)
+    return sorted(blocks)
 
 
 def test_ranks_get_equal_disjoint_blocks() -> None:

@@ -20,12 +20,15 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import structlog
 
-from ups.core import Config, RunContext, SectionPlugin, TrainResult, hookimpl, write_report
+from ups.core import Config, SectionPlugin, TrainResult, hookimpl, write_report
+
+if TYPE_CHECKING:  # ups.core.context imports torch; every `ups` command imports this module
+    from ups.core import RunContext
 
 log = structlog.get_logger()
 

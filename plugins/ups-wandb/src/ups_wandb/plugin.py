@@ -24,14 +24,13 @@ import math
 import os
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import structlog
 
 from ups.core import (
     Config,
-    RunContext,
     SectionPlugin,
     TrainResult,
     UsageError,
@@ -40,6 +39,9 @@ from ups.core import (
     read_metrics,
     write_report,
 )
+
+if TYPE_CHECKING:  # ups.core.context imports torch; every `ups` command imports this module
+    from ups.core import RunContext
 
 log = structlog.get_logger()
 

@@ -31,7 +31,7 @@ from .errors import ConfigError
 from .evaluation import evaluate
 from .faults import FaultInjector
 from .imports import load_object
-from .loader import Epoch, build_dataset, check_loader, data_loader
+from .loader import Epoch, build_dataset, data_loader
 from .logs import rank_log_file
 from .metrics import LossWindow
 from .optim import build_optimizer, build_scheduler
@@ -48,7 +48,7 @@ from .schedule import Schedule, apply_lr_multiplier
 from .step import build_step
 from .stepping import Forward, Stepper
 from .user_metrics import UserMetrics
-from .validate import select_sampler
+from .validate import check_loader, select_sampler
 from .watchdog import FORWARD, FORWARD_DONE, Watchdog
 
 log = structlog.get_logger()

@@ -55,21 +55,6 @@ def build_dataset(section: FactoryConfig, key: str) -> Any:
     return dataset
 
 
-def check_loader(options: LoaderConfig) -> None:
-    """Refuse loader options that cannot work together.
-
-    :raises ConfigError: naming the ``data.loader`` key.
-    """
-    if options.num_workers == 0:
-        for key in ("prefetch_factor", "persistent_workers", "multiprocessing_context"):
-            if getattr(options, key) not in (None, False):
-                raise ConfigError(
-                    f"data.loader.{key}", "needs worker processes; set data.loader.num_workers > 0"
-                )
-    if options.collate is not None:
-        load_object(options.collate, "data.loader.collate")
-
-
 def seed_of(*parts: int) -> int:
     """A seed in ``[0, 2**63)`` mixed from ``parts`` (nearby parts give unrelated seeds)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()

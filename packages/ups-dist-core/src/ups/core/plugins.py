@@ -104,18 +104,26 @@ class Registry:
         return self._records[family]
 
     def get(
-        self, family: Family, name: str, key: str, offer: Iterable[str] | None = None
+        self,
+        family: Family,
+        name: str,
+        key: str,
+        offer: Iterable[str] | None = None,
+        *,
+        factory: bool = True,
     ) -> PluginRecord:
         """The record of ``family`` called ``name``, selected by the config at ``key``, its
         ``factory`` and ``options`` imported if named with :func:`ups.core.imported`.
 
         :param offer: the names an error offers, when not every record fits ``key`` (the
             training samplers for ``sampler``); all of the family's by default.
+        :param factory: ``False``: import the options only, all that checking a config needs
+            (``ups validate`` imports no factory's module, nor the torch it may import).
         :raises ConfigError: naming ``key``, the plugins available, and any that failed to load.
         """
         records = self.records(family)
         if name in records:
-            return records[name].record.loaded()  # type: ignore[no-any-return]
+            return records[name].record.loaded(factory=factory)  # type: ignore[no-any-return]
         available = list(records if offer is None else offer)
         failed = [p for p in self.plugins if p.status == "failed"]
         note = "".join(
@@ -129,39 +137,76 @@ class Registry:
 
     @overload
     def select(
-        self, family: Literal["sampler"], name: str, options: Mapping[str, Any], key: str
+        self,
+        family: Literal["sampler"],
+        name: str,
+        options: Mapping[str, Any],
+        key: str,
+        *,
+        factory: bool = True,
     ) -> tuple[SamplerPlugin, Any]: ...
 
     @overload
     def select(
-        self, family: Literal["comm_hook"], name: str, options: Mapping[str, Any], key: str
+        self,
+        family: Literal["comm_hook"],
+        name: str,
+        options: Mapping[str, Any],
+        key: str,
+        *,
+        factory: bool = True,
     ) -> tuple[CommHookPlugin, Any]: ...
 
     @overload
     def select(
-        self, family: Literal["checkpoint"], name: str, options: Mapping[str, Any], key: str
+        self,
+        family: Literal["checkpoint"],
+        name: str,
+        options: Mapping[str, Any],
+        key: str,
+        *,
+        factory: bool = True,
     ) -> tuple[CheckpointBackendPlugin, Any]: ...
 
     @overload
     def select(
-        self, family: Literal["launcher"], name: str, options: Mapping[str, Any], key: str
+        self,
+        family: Literal["launcher"],
+        name: str,
+        options: Mapping[str, Any],
+        key: str,
+        *,
+        factory: bool = True,
     ) -> tuple[LauncherPlugin, Any]: ...
 
     @overload
     def select(
-        self, family: Literal["command"], name: str, options: Mapping[str, Any], key: str
+        self,
+        family: Literal["command"],
+        name: str,
+        options: Mapping[str, Any],
+        key: str,
+        *,
+        factory: bool = True,
     ) -> tuple[CommandPlugin, Any]: ...
 
     def select(
-        self, family: Family, name: str, options: Mapping[str, Any], key: str
+        self,
+        family: Family,
+        name: str,
+        options: Mapping[str, Any],
+        key: str,
+        *,
+        factory: bool = True,
     ) -> tuple[PluginRecord, Any]:
         """The record ``name`` of ``family`` and ``options`` built into its options class; the
         record is typed by the family (``select("sampler", ...)`` gives a ``SamplerPlugin``).
 
         :param key: the config section selecting it (``sampler``), for error messages.
+        :param factory: as for :meth:`get`.
         :raises ConfigError: an unknown name, or an options key or value the plugin refuses.
         """
-        record = self.get(family, name, f"{key}.name")
+        record = self.get(family, name, f"{key}.name", factory=factory)
         try:
             return record, structure(record.options, dict(options), f"{key}.options")
         except ConfigError as error:

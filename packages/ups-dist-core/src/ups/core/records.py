@@ -52,11 +52,13 @@ class PluginRecord:
     description: str = ""
     """One line shown by ``ups plugins``."""
 
-    def loaded(self) -> Any:
-        """This record with its ``factory`` and ``options`` imported, where they are named with
-        :func:`ups.core.imported` (what building from it needs; listing it does not)."""
+    def loaded(self, *, factory: bool = True) -> Any:
+        """This record with its ``factory`` (unless ``factory=False``) and ``options``
+        imported, where they are named with :func:`ups.core.imported` (what building from it
+        needs; listing it does not, checking a config's options needs the options only)."""
         fields = attrs.fields_dict(type(self))
-        lazy = {f: resolved(getattr(self, f)) for f in ("factory", "options") if f in fields}
+        names = ("factory", "options") if factory else ("options",)
+        lazy = {f: resolved(getattr(self, f)) for f in names if f in fields}
         return attrs.evolve(self, **lazy)
 
 

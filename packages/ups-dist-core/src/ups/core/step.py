@@ -20,26 +20,38 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from . import batches
 from .config import Config
 from .errors import ConfigError, UsageError
 from .imports import load_object
 
+if TYPE_CHECKING:  # building a step (``ups validate``) imports no torch; running one does
+    import torch
+    from torch import nn
+
 Where = int | str | Callable[[Any], Any]
 """Where something is in a batch: an index, a key or attribute name, or a function of it."""
 
-Criterion = Callable[[Any, Any], torch.Tensor]
+Criterion = Callable[[Any, Any], "torch.Tensor"]
 """``criterion(outputs, targets)``: an unreduced loss (one value per sample, or per element)."""
 
+
+def _unreduced(name: str) -> Criterion:
+    """The loss ``torch.nn.functional.<name>`` with ``reduction="none"``."""
+
+    def criterion(outputs: Any, targets: Any) -> torch.Tensor:
+        from torch.nn import functional
+
+        return getattr(functional, name)(outputs, targets, reduction="none")  # type: ignore[no-any-return]
+
+    return criterion
+
+
 CRITERIA: dict[str, Criterion] = {
-    "mse": lambda out, y: nn.functional.mse_loss(out, y, reduction="none"),
-    "l1": lambda out, y: nn.functional.l1_loss(out, y, reduction="none"),
-    "cross_entropy": lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
+    "mse": _unreduced("mse_loss"),
+    "l1": _unreduced("l1_loss"),
+    "cross_entropy": _unreduced("cross_entropy"),
 }
 """The losses ``training.loss`` names, unreduced."""
 
@@ -126,6 +138,8 @@ class Step:
             return None
         if isinstance(where, int) and isinstance(batch, list | tuple) and where >= len(batch):
             return None
+        import torch
+
         return torch.as_tensor(pick(batch, where, "step.task"))
 
     def metrics(self, outputs: Any, batch: Any) -> Mapping[str, Any]:
@@ -140,7 +154,9 @@ class Step:
 
     def batch_size(self, batch: Any) -> int:
         """Samples in ``batch``: by default the first dimension of its first tensor."""
-        return batches.batch_size(batch)
+        from .batches import batch_size
+
+        return batch_size(batch)
 
 
 def _raw(step: Step, name: str) -> Any:

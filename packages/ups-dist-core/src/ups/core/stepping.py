@@ -30,7 +30,7 @@ from .config import TrainingConfig
 from .context import RunContext
 from .errors import ConfigError, UsageError
 from .metrics import LossWindow
-from .step import Step, StepError
+from .step import Step, StepError, _raw
 from .user_metrics import UserMetrics
 from .watchdog import BACKWARD, DONE, STARTED, Watchdog
 
@@ -63,7 +63,8 @@ class Taken:
 class Forward:
     """One micro-batch through a step: to the device, the step's forward and loss under
     autocast, its metrics without gradients; the same in training, evaluation and trials.
-    ``watchdog`` is told when the metrics run (user code of ``metrics.factory``)."""
+    ``watchdog`` is told which user code runs, by the config key naming it: a step's own
+    ``forward`` and ``loss`` (``step.factory``), the metrics (``metrics.factory``)."""
 
     def __init__(
         self,
@@ -78,14 +79,20 @@ class Forward:
         self.step, self.ctx, self.metrics, self.watchdog = step, ctx, metrics, watchdog
         self._precision, self._non_blocking = precision, pinned and ctx.device.type == "cuda"
         self._name = type(step).__qualname__
+        own_forward = type(step).forward is not Step.forward
+        own_loss = type(step).loss is not Step.loss or callable(_raw(step, "criterion"))
+        self._forward_key = f"step.factory ({self._name}.forward)" if own_forward else None
+        self._loss_key = f"step.factory ({self._name}.loss)" if own_loss else None
 
     def __call__(self, module: nn.Module, batch: Any) -> tuple[torch.Tensor, Taken]:
         """The micro-batch's mean loss (to differentiate) and what it adds to the metrics."""
         step = self.step
         batch = to_device(batch, self.ctx.device, non_blocking=self._non_blocking)
         with self.autocast():
-            outputs = step.forward(module, batch)
-            returned = step.loss(outputs, batch)
+            with self.watchdog.calling(self._forward_key):
+                outputs = step.forward(module, batch)
+            with self.watchdog.calling(self._loss_key):
+                returned = step.loss(outputs, batch)
         samples = step.batch_size(batch)
         mean, loss, weight = self._checked(returned, samples)
         with torch.no_grad(), self.watchdog.calling(self.metrics.key):

@@ -1,21 +1,21 @@
 """Checks of a config against the plugins installed and the rules of sound DDP training.
 
-Errors raise :class:`~ups.core.errors.ConfigError`; advice comes back as warnings.
+Errors raise :class:`~ups.core.errors.ConfigError`; advice comes back as warnings. Checking
+imports torch only where a check needs it (``ups validate`` of a config whose factories import
+no torch answers without it): for CUDA with ``fp16`` or ``nccl``, for an optimizer or
+scheduler name that :data:`TORCH_NAMES` lacks, and through the modules the config names.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .config import Config, PluginChoice
+from .config import Config, LoaderConfig, PluginChoice
 from .errors import ConfigError
 from .imports import load_object
-from .loader import check_loader
-from .optim import OPTIMIZERS, SCHEDULERS, resolve
 from .plugins import Registry
 from .records import SamplerPlugin
 from .schedule import schedule_warnings
@@ -23,6 +23,48 @@ from .step import build_step
 
 MIN_GLOBAL_BATCH = 16
 """Below this many samples per optimizer step over all ranks, gradients are mostly noise."""
+TORCH_NAMES = {
+    "training.optimizer": frozenset(
+        [
+            "adadelta",
+            "adafactor",
+            "adagrad",
+            "adam",
+            "adamax",
+            "adamw",
+            "asgd",
+            "lbfgs",
+            "muon",
+            "nadam",
+            "radam",
+            "rmsprop",
+            "rprop",
+            "sgd",
+            "sparseadam",
+        ]
+    ),
+    "training.scheduler": frozenset(
+        [
+            "chainedscheduler",
+            "constantlr",
+            "cosineannealinglr",
+            "cosineannealingwarmrestarts",
+            "cycliclr",
+            "exponentiallr",
+            "lambdalr",
+            "linearlr",
+            "multiplicativelr",
+            "multisteplr",
+            "onecyclelr",
+            "polynomiallr",
+            "reducelronplateau",
+            "sequentiallr",
+            "steplr",
+        ]
+    ),
+}
+"""torch's optimizer and scheduler names as :mod:`ups.core.optim` finds them in the torch that
+CI pins (a test compares them), by the config key that names one."""
 
 
 def validate(config: Config, registry: Registry, nproc: int | None = None) -> list[str]:
@@ -40,21 +82,23 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
         load_object(config.eval.factory, "eval.factory")
     build_step(config)
     check_loader(config.data.loader)
-    sampler, _ = select_sampler(registry, config.sampler, "sampler", exact=False)
+    # The plugins' options only: their factories' modules are imported by the run.
+    sampler, _ = select_sampler(registry, config.sampler, "sampler", exact=False, factory=False)
     if config.eval is not None:
-        select_sampler(registry, config.eval.sampler, "eval.sampler", exact=True)
-    registry.select("comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook")
-    registry.select("checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint")
-    if config.launch.name is not None:
-        registry.select("launcher", config.launch.name, config.launch.options, "launch")
+        select_sampler(registry, config.eval.sampler, "eval.sampler", exact=True, factory=False)
+    comm, ckpt, launch = config.comm_hook, config.checkpoint, config.launch
+    registry.select("comm_hook", comm.name, comm.options, "comm_hook", factory=False)
+    registry.select("checkpoint", ckpt.name, ckpt.options, "checkpoint", factory=False)
+    if launch.name is not None:
+        registry.select("launcher", launch.name, launch.options, "launch", factory=False)
     for name in config.plugins:
         config.section(registry.get("section", name, f"plugins.{name}").options, name)
 
     t = config.training
-    resolve(t.optimizer, OPTIMIZERS, "training.optimizer")
+    check_name(t.optimizer, "training.optimizer")
     if t.scheduler is not None:
-        resolve(t.scheduler, SCHEDULERS, "training.scheduler")
-    if t.precision == "fp16" and not torch.cuda.is_available():
+        check_name(t.scheduler, "training.scheduler")
+    if t.precision == "fp16" and not _cuda_devices():
         raise ConfigError(
             "training.precision",
             "'fp16' needs CUDA (its gradient scaler runs there) and this machine has none; "
@@ -63,10 +107,10 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
 
     check_run_dir(config.run_dir)
     nproc = config.distributed.nproc if nproc is None else nproc
-    if config.distributed.backend == "nccl" and torch.cuda.device_count() < nproc:
+    if config.distributed.backend == "nccl" and (devices := _cuda_devices()) < nproc:
         raise ConfigError(
             "distributed.backend",
-            f"'nccl' needs a CUDA device per process; this machine has {torch.cuda.device_count()} "
+            f"'nccl' needs a CUDA device per process; this machine has {devices} "
             f"for {nproc} processes; allowed here: auto, gloo",
         )
     if config.eval is None or config.eval.every_steps is None:
@@ -101,6 +145,42 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     return warnings
 
 
+def check_name(name: str, key: str) -> None:
+    """Check the optimizer or scheduler name at ``key`` (``training.optimizer`` or
+    ``training.scheduler``) as building it will resolve it; a name of :data:`TORCH_NAMES`
+    passes without importing torch, unless torch is imported already (a torch older than CI's
+    that lacks it then fails when the run builds it).
+
+    :raises ConfigError: naming ``key``, the names allowed and the nearest one.
+    """
+    if ":" not in name and name.lower() in TORCH_NAMES[key] and "torch" not in sys.modules:
+        return
+    from .optim import OPTIMIZERS, SCHEDULERS, resolve
+
+    resolve(name, OPTIMIZERS if key == "training.optimizer" else SCHEDULERS, key)
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def check_loader(options: LoaderConfig) -> None:
+    """Refuse loader options that cannot work together.
+
+    :raises ConfigError: naming the ``data.loader`` key.
+    """
+    if options.num_workers == 0:
+        for key in ("prefetch_factor", "persistent_workers", "multiprocessing_context"):
+            if getattr(options, key) not in (None, False):
+                raise ConfigError(
+                    f"data.loader.{key}", "needs worker processes; set data.loader.num_workers > 0"
+                )
+    if options.collate is not None:
+        load_object(options.collate, "data.loader.collate")
+
+
 def check_run_dir(run_dir: Path) -> None:
     """Check that the run's folder is, or can be made, a folder: its nearest existing
     ancestor (or itself) must be one.
@@ -118,11 +198,11 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def select_sampler(
-    registry: Registry, choice: PluginChoice, key: str, *, exact: bool
+    registry: Registry, choice: PluginChoice, key: str, *, exact: bool, factory: bool = True
 ) -> tuple[SamplerPlugin, Any]:
     """The sampler plugin ``choice`` names and its options, for training (``exact=False``:
     every rank the same number of samples) or for evaluation (``exact=True``: every sample
-    once).
+    once); with ``factory=False``, its factory not imported (:meth:`Registry.get`).
 
     :raises ConfigError: naming ``key``, for an unknown sampler or one of the other kind.
     """
@@ -131,8 +211,8 @@ def select_sampler(
         for name, provided in registry.records("sampler").items()
         if isinstance(provided.record, SamplerPlugin) and provided.record.exact == exact
     )
-    registry.get("sampler", choice.name, f"{key}.name", offer=fits)  # an unknown name
-    record, options = registry.select("sampler", choice.name, choice.options, key)
+    registry.get("sampler", choice.name, f"{key}.name", offer=fits, factory=False)  # unknown?
+    record, options = registry.select("sampler", choice.name, choice.options, key, factory=factory)
     if record.exact != exact:
         kind = (
             "gives every sample to one rank, so ranks may take different numbers of steps"

@@ -177,9 +177,9 @@ class Watchdog:
         self._mark, self._moved = (step, phase), time.monotonic()
 
     @contextlib.contextmanager
-    def calling(self, key: str) -> Iterator[None]:
+    def calling(self, key: str | None) -> Iterator[None]:
         """While open, this rank runs the user code that the config's ``key`` names (such as
-        ``metrics.factory``): a verdict says so."""
+        ``metrics.factory``; ``None``: ups's own code): a verdict says so."""
         self._user = key
         try:
             yield
