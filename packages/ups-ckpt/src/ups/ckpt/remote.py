@@ -114,6 +114,7 @@ class FsspecCheckpointer(Committing[str]):
             ctx,
             group,
             f" under {url}",
+            f"under {url}",
             keep_last=options.keep_last,
             keep_every=options.keep_every,
         )
@@ -122,10 +123,6 @@ class FsspecCheckpointer(Committing[str]):
         """The URL the checkpoints are under, as locations and messages name them."""
         self.fs, self.root = _filesystem(url, options.storage_options)
         self._swept = False
-
-    def location(self, step: int) -> str:
-        """The URL checkpoint ``step`` has once committed."""
-        return self._url(f"step-{step}")
 
     # -- the store ----------------------------------------------------------------------------
 
@@ -202,6 +199,9 @@ class FsspecCheckpointer(Committing[str]):
         except FileNotFoundError:
             return None
         return text
+
+    def _named(self, name: str) -> str:
+        return name
 
     def _location_of(self, where: str) -> str:
         return self._url(where)

@@ -77,7 +77,9 @@ class Committing(abc.ABC, Generic[L]):
     subclass says how to stage, write, read, list, publish and delete (its abstract methods).
 
     :param group: the process group its collectives use (``None``: the default one).
-    :param place: how messages say where the checkpoints are (``""``, ``" under s3://..."``).
+    :param place: how messages of saving and loading say where the checkpoints are (``""``,
+        ``" under s3://..."``).
+    :param where: how other messages say it (``"in <folder>"``, ``"under s3://..."``).
     :param keep_last: how many of the newest committed checkpoints to keep (``None``: all).
     :param keep_every: also keep every checkpoint whose step is a multiple of it.
     """
@@ -87,6 +89,7 @@ class Committing(abc.ABC, Generic[L]):
         ctx: RunContext,
         group: dist.ProcessGroup | None,
         place: str,
+        where: str,
         *,
         keep_last: int | None,
         keep_every: int | None = None,
@@ -94,6 +97,7 @@ class Committing(abc.ABC, Generic[L]):
         self.ctx = ctx
         self.group = group
         self._place = place
+        self._where = where
         self._keep_last = keep_last
         self._keep_every = keep_every
 
@@ -152,6 +156,10 @@ class Committing(abc.ABC, Generic[L]):
 
     def wait(self) -> None:
         """Nothing to wait for: :meth:`save` returns once the checkpoint is committed."""
+
+    def location(self, step: int) -> str:
+        """Where checkpoint ``step`` is once committed."""
+        return self._location_of(self._named(f"step-{step}"))
 
     def committed(self) -> list[Committed[L]]:
         """The committed checkpoints, oldest step first (listed on this rank)."""
@@ -232,11 +240,11 @@ class Committing(abc.ABC, Generic[L]):
         :raises CheckpointError: when checkpoints are committed but none verifies.
         """
         committed = self.committed()
-        latest = self._read_latest()
-        latest = latest.strip() if latest is not None else None
+        latest = (self._read_latest() or "").strip()
         named = [c for c in committed if f"step-{c.step}" == latest]
-        if latest and not named and committed:
-            log.warning("'latest' names no committed checkpoint", latest=latest)
+        if STEP_NAME.fullmatch(latest) and not named and committed:
+            where = self._location_of(self._named(latest))
+            log.warning("'latest' names no committed checkpoint", latest=where)
         for candidate in named + [c for c in reversed(committed) if c not in named]:
             problem = self._damage(candidate)
             if problem is None:
@@ -248,7 +256,7 @@ class Committing(abc.ABC, Generic[L]):
             )
         if committed:
             raise CheckpointError(
-                f"no checkpoint{self._place} verifies against its {COMMIT_FILE} manifest "
+                f"no checkpoint {self._where} verifies against its {COMMIT_FILE} manifest "
                 f"({len(committed)} damaged); move them away to start afresh"
             )
         return None
@@ -329,6 +337,10 @@ class Committing(abc.ABC, Generic[L]):
     def _remove(self, where: L) -> None:
         """Rank 0: delete the checkpoint ``where``, never leaving it half deleted and looking
         committed (remove or hide its ``COMMIT`` first)."""
+
+    @abc.abstractmethod
+    def _named(self, name: str) -> L:
+        """Where the checkpoint ``name`` (``step-<N>``) is kept once published."""
 
     @abc.abstractmethod
     def _location_of(self, where: L) -> str:

@@ -66,15 +66,13 @@ class SimpleCheckpointer(Committing[Path]):
         options: SimpleCheckpointOptions,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        keep_last, keep_every = options.keep_last, options.keep_every
-        super().__init__(ctx, group, "", keep_last=keep_last, keep_every=keep_every)
         self.folder = Path(directory) / CHECKPOINTS
+        keep_last, keep_every = options.keep_last, options.keep_every
+        super().__init__(
+            ctx, group, "", f"in {self.folder}", keep_last=keep_last, keep_every=keep_every
+        )
         self.options = options
         self._swept = False
-
-    def location(self, step: int) -> str:
-        """Where checkpoint ``step`` goes once committed."""
-        return str(self.folder / f"step-{step}")
 
     # -- the folder ---------------------------------------------------------------------------
 
@@ -134,7 +132,7 @@ class SimpleCheckpointer(Committing[Path]):
         fsync_dir(staged)
 
     def _publish(self, staged: Path, step: int) -> Path:
-        final = self.folder / f"step-{step}"
+        final = self._named(f"step-{step}")
         if final.exists():
             # Saving a step again (after resuming): the new checkpoint replaces the old.
             _remove(final, self.folder)
@@ -163,6 +161,9 @@ class SimpleCheckpointer(Committing[Path]):
 
     def _remove(self, where: Path) -> None:
         _remove(where, self.folder)
+
+    def _named(self, name: str) -> Path:
+        return self.folder / name
 
     def _location_of(self, where: Path) -> str:
         return str(where)
