@@ -218,7 +218,7 @@ def test_a_two_process_gloo_job_trains_to_success(project: Path, launcher: TidyS
     assert f"ups: job {job_id} on localhost, rendezvous at localhost:" in text
     done = [e for e in events(text) if e.get("event") == "done"]
     assert len(done) == 1 and done[0]["steps"] == 3, text
-    assert (project / "runs" / "tiny" / "checkpoints" / "step-000000003.pt").is_file(), text
+    assert (project / "runs" / "tiny" / "checkpoints" / "step-3" / "COMMIT").is_file(), text
     launcher.cancel(handle)  # an ended job is left as it is
     assert launcher.status(handle) == "SUCCEEDED"
 

@@ -1,7 +1,8 @@
 """The ``local`` backend: the built-in ``simple`` backend's folders, with more options.
 
 Layout under the run's folder, commit rule, verification and loading are ``simple``'s
-(:mod:`ups.core.simple_checkpoint`, over the commit protocol of :mod:`ups.core.commit`)::
+(:mod:`ups.core.simple_checkpoint`, over the commit protocol of :mod:`ups.core.commit`), but
+for who writes: each rank writes its own file, where ``simple`` gathers them to rank 0::
 
     checkpoints/
         step-100/           a committed checkpoint
@@ -50,4 +51,5 @@ class LocalCheckpointer(SimpleCheckpointer):
     saver gives it one of its own.
     """
 
+    gathers_rank_states = False  # every rank writes its own file: the folder is shared
     options: LocalCheckpointOptions

@@ -24,7 +24,7 @@ import abc
 import re
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import attrs
 import structlog
@@ -84,6 +84,10 @@ class Committing(abc.ABC, Generic[L]):
     :param keep_every: also keep every checkpoint whose step is a multiple of it.
     """
 
+    gathers_rank_states: ClassVar[bool] = False
+    """Whether rank 0 writes every rank's own state, gathered to it, so that no other rank
+    writes (saving needs no storage that every rank reaches), rather than each rank its own."""
+
     def __init__(
         self,
         ctx: RunContext,
@@ -114,12 +118,13 @@ class Committing(abc.ABC, Generic[L]):
         what = f"saving checkpoint step {step}{self._place}"
         agree_safe(self.ctx, what, step=step, state=state, rank_state=rank_state, group=self.group)
         staged = self._on_main(what, lambda: self._begin(step))
+        owns = self._own_states(rank_state)
         written: dict[str, FileRecord] = {}
         error: Exception | None = None
         try:
             written = self._write_state(staged, state)
-            own = rank_file(self.ctx.rank)
-            written[own] = self._put(staged, own, rank_state)
+            for rank, own in owns.items():
+                written[rank_file(rank)] = self._put(staged, rank_file(rank), own)
         except Exception as caught:  # every rank learns of it below
             error = caught
         try:
@@ -198,6 +203,17 @@ class Committing(abc.ABC, Generic[L]):
 
     def _on_main(self, what: str, action: Callable[[], T]) -> T:
         return on_main(self.ctx, what, action, self.group)
+
+    def _own_states(self, rank_state: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
+        """The rank states this rank writes, by rank: its own, or, when the storage
+        :attr:`gathers_rank_states`, on rank 0 every rank's and elsewhere none (a collective)."""
+        if not (self.gathers_rank_states and self.ctx.distributed):
+            return {self.ctx.rank: rank_state}
+        gathered: list[Any] | None = None
+        if self.ctx.is_main:
+            gathered = [None] * self.ctx.world_size
+        dist.gather_object(dict(rank_state), gathered, dst=0, group=self.group)
+        return dict(enumerate(gathered or []))
 
     def _gather(self, written: dict[str, FileRecord]) -> dict[str, FileRecord]:
         """Every rank's records of the files it wrote, merged, on rank 0 (``{}`` elsewhere)."""

@@ -12,10 +12,11 @@ is this folder with more options. Layout under the run's folder::
         latest              the name of the newest checkpoint ("step-100"), replaced atomically
         .tmp-step-150-1f2e  a save in progress, or one that crashed: never loaded
 
-Rank 0 makes the temporary folder; every rank writes and fsyncs its files there; rank 0 writes
-``COMMIT``, fsyncs the folder, renames it to ``step-<N>`` and replaces ``latest``. The folder
-must be on a filesystem every rank sees (one machine, or a shared filesystem). Checkpoints of
-the one-file layout of earlier versions (``step-000000100.pt``) are refused, naming one.
+Every rank's own state is gathered to rank 0, which alone writes: it makes the temporary
+folder, writes and fsyncs every file there, writes ``COMMIT``, fsyncs the folder, renames it to
+``step-<N>`` and replaces ``latest``; so saving needs the folder on rank 0's machine only.
+Loading needs it on every rank's (one machine, or a shared filesystem). A folder of the
+one-file layout of earlier versions (``step-000000100.pt``) is refused, naming such a file.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class SimpleCheckpointer(Committing[Path]):
 
     ``group``: the process group its collectives use (``None``: the default one).
     """
+
+    gathers_rank_states = True
 
     def __init__(
         self,
