@@ -46,7 +46,7 @@ def test_one_process_trains_in_place_and_stops_at_max_steps(project: Path) -> No
     assert result.steps == 5
     folder = project / "runs" / "tiny" / "checkpoints"
     # every 2 steps, then the final one; the simple backend keeps the last 2
-    assert sorted(p.name for p in folder.iterdir()) == ["step-000000004.pt", "step-000000005.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-4", "step-5"]
 
 
 def test_the_run_folder_holds_the_resolved_config_and_every_metric(project: Path) -> None:
