@@ -1,27 +1,15 @@
-"""The ``local`` backend: the built-in ``simple`` backend's folders, with more options.
+"""The ``local`` backend: the built-in ``simple`` backend's folders, each rank writing its own.
 
-Layout under the run's folder, commit rule, verification and loading are ``simple``'s
-(:mod:`ups.core.simple_checkpoint`, over the commit protocol of :mod:`ups.core.commit`), but
-for who writes: each rank writes its own file, where ``simple`` gathers them to rank 0::
-
-    checkpoints/
-        step-100/           a committed checkpoint
-            state.pt        the replicated state, written by rank 0
-            rank-0.pt       what each rank keeps of its own (its RNG state)
-            rank-1.pt
-            COMMIT          the manifest, written last: step, world size, files, sizes, CRC-32s
-        latest              the name of the newest checkpoint ("step-100"), replaced atomically
-        .tmp-step-150-1f2e  a save in progress, or one that crashed: never loaded
-
-A save is a collective every rank enters. Rank 0 makes the temporary folder; every rank writes
-and fsyncs its files there; all ranks learn whether any rank failed; rank 0 writes ``COMMIT``,
+The layout under the run's folder (``checkpoints/step-<N>/`` with ``state.pt``, a
+``rank-<r>.pt`` per rank and ``COMMIT``; ``latest``), the commit rule, the verification and the
+loading are ``simple``'s (:mod:`ups.core.simple_checkpoint`, the commit protocol of
+:mod:`ups.core.commit` over a folder). A save is a collective every rank enters: rank 0 makes
+the temporary folder; every rank writes and fsyncs its own files there (where ``simple``
+gathers them to rank 0), so the folder must be on a filesystem every rank sees (one machine,
+or a shared filesystem); all ranks learn whether any rank failed; rank 0 writes ``COMMIT``,
 fsyncs the folder, renames it to ``step-<N>`` and replaces ``latest``. A folder without a
-readable ``COMMIT`` is never loaded, and a failure on any rank raises on every rank, naming it.
-Loading takes the checkpoint ``latest`` names if its files match the manifest's sizes and
-CRC-32s, else the newest that does (with a warning naming what is damaged). Every file is read
-with ``torch.load(weights_only=True)``: a file that would run code is refused. The folder must be
-on a filesystem every rank sees (one machine, or a shared filesystem). Beyond ``simple``:
-``keep_every``, and ``async_save`` to write in the background (:mod:`ups.ckpt.background`).
+readable ``COMMIT`` is never loaded. Beyond ``simple``: three checkpoints kept by default, and
+``async_save`` to write in the background (:mod:`ups.ckpt.background`).
 """
 
 from __future__ import annotations
