@@ -207,23 +207,23 @@ class Committing(abc.ABC, Generic[L]):
     def _own_states(self, rank_state: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
         """The rank states this rank writes, by rank: its own, or, when the storage
         :attr:`gathers_rank_states`, on rank 0 every rank's and elsewhere none (a collective)."""
-        if not (self.gathers_rank_states and self.ctx.distributed):
+        if not self.gathers_rank_states:
             return {self.ctx.rank: rank_state}
-        gathered: list[Any] | None = None
-        if self.ctx.is_main:
-            gathered = [None] * self.ctx.world_size
-        dist.gather_object(dict(rank_state), gathered, dst=0, group=self.group)
-        return dict(enumerate(gathered or []))
+        return dict(enumerate(self._to_main(dict(rank_state))))
 
     def _gather(self, written: dict[str, FileRecord]) -> dict[str, FileRecord]:
         """Every rank's records of the files it wrote, merged, on rank 0 (``{}`` elsewhere)."""
+        return {name: r for records in self._to_main(written) for name, r in records.items()}
+
+    def _to_main(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, by rank, on rank 0 (``[]`` elsewhere). A collective."""
         if not self.ctx.distributed:
-            return written
-        gathered: list[dict[str, FileRecord] | None] | None = None
+            return [obj]
+        gathered: list[Any] | None = None
         if self.ctx.is_main:
             gathered = [None] * self.ctx.world_size
-        dist.gather_object(written, gathered, dst=0, group=self.group)
-        return {name: r for records in gathered or [] for name, r in (records or {}).items()}
+        dist.gather_object(obj, gathered, dst=0, group=self.group)
+        return gathered or []
 
     def _commit(self, staged: L, step: int, files: dict[str, FileRecord]) -> str:
         """Check the staged files, write the manifest, publish, point ``latest``, retain."""
