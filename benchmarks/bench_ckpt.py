@@ -19,7 +19,7 @@ torch.save+fsync
     the same, then ``os.fsync`` of the file: a baseline as durable as our save. Its two parts
     are timed apart.
 dump+fsync
-    what the ``local`` backend does to write ``state.pt``: ``ups.ckpt.serialize.dump`` (torch.save
+    what the ``local`` backend does to write ``state.pt``: ``ups.core.dump`` (torch.save
     without torch's per-record CRC-32, the whole file's CRC-32 taken by zlib as the bytes go
     out) into a new file, flush, ``os.fsync``; the parts timed apart. For the breakdown.
 crc32
@@ -261,7 +261,7 @@ class Round:
             finally:
                 torch.set_num_threads(threads)
 
-        from ups.ckpt.serialize import dump
+        from ups.core import dump
 
         self.n += 1
         file = self.scratch / f"{kind.replace('+', '-')}-{self.n}.pt"

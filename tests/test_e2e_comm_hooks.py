@@ -15,7 +15,7 @@ import torch
 
 from ups.core import TrainResult, load_config, train
 from ups.core.config import CommHookChoice
-from ups.core.testing import assert_bitwise_equal
+from ups.core.testing import assert_bitwise_equal, read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pde_multitask.yaml"
@@ -55,7 +55,7 @@ def run(folder: Path, nproc: int, name: str, options: dict[str, Any] | None = No
 
 def final_model(result: TrainResult) -> dict[str, torch.Tensor]:
     assert result.checkpoint is not None
-    saved: dict[str, Any] = torch.load(result.checkpoint, weights_only=True)
+    saved: dict[str, Any] = read_checkpoint(result.checkpoint)
     model: dict[str, torch.Tensor] = saved["state"]["model"]
     return model
 

@@ -50,4 +50,4 @@ def test_the_example_trains_on_two_ranks_with_one_log(tmp_path: Path) -> None:
     done = [e for e in events if e["event"] == "done"]
     assert len(done) == 1 and done[0]["steps"] == 120
     checkpoints = sorted(p.name for p in (tmp_path / "pde-multitask" / "checkpoints").iterdir())
-    assert checkpoints == ["step-000000100.pt", "step-000000120.pt"]
+    assert checkpoints == ["latest", "step-100", "step-120"]

@@ -21,7 +21,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 import yaml
 from test_e2e_resume import final_state, project
 
@@ -132,7 +131,7 @@ def run_dir(config: Path) -> Path:
 
 def final(config: Path) -> dict[str, Any]:
     """The state of the run's newest checkpoint."""
-    newest = max((run_dir(config) / "checkpoints").glob("step-*.pt"))
+    newest = max((run_dir(config) / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
     return final_state(SimpleNamespace(checkpoint=str(newest)))
 
 
@@ -227,16 +226,15 @@ def test_kill_9_of_one_worker_at_a_random_step_restarts_and_ends_bitwise_equal(
 def test_kill_9_during_a_checkpoint_write_resumes_from_the_previous_one(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    """Rank 0 dies with the file of step 6 written, not renamed into place: the restarted run
-    resumes from step 3's and still ends bitwise equal. (ups-ckpt's tests kill its backends
-    at every step of their commit.)"""
+    """Rank 0 dies with step 6's ``state.pt`` written in its temporary folder, uncommitted:
+    the restarted run resumes from step 3's, sweeps that folder at its first save and still
+    ends bitwise equal. (ups-ckpt's tests kill the protocol at every step of its commit.)"""
     config = faults_project(tmp_path)
     done = ups_train(config, "--max-restarts", "1", faults="kill_save@0:6")
     assert done.returncode == 0, done.stderr[-3000:]
     assert [e["step"] for e in events(config, "resumed")] == [3]
-    # What the killed save left: step 6's whole file, fsynced, never renamed into place.
-    (left,) = (run_dir(config) / "checkpoints").glob(".tmp-*.pt")
-    assert torch.load(left, weights_only=True)["state"]["step"] == 6
+    assert [e["step"] for e in events(config, "fault injected")] == [6]
+    assert not list((run_dir(config) / "checkpoints").glob(".tmp-*"))  # swept
     assert_equal_to(reference, config)
 
 
@@ -391,7 +389,7 @@ def machines(config: Path, nnodes: str, rdzv_conf: str = "") -> Iterator[Machine
 
 def wait_for_a_checkpoint(config: Path) -> None:
     checkpoints = run_dir(config) / "checkpoints"
-    wait_for(lambda: any(checkpoints.glob("step-*.pt")), 120, "a checkpoint")
+    wait_for(lambda: any(checkpoints.glob("step-*/COMMIT")), 120, "a checkpoint")
 
 
 @pytest.mark.slow

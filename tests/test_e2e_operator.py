@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ups.core.testing import assert_bitwise_equal, run_ups
+from ups.core.testing import assert_bitwise_equal, read_checkpoint, run_ups
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pde_operator"
@@ -254,8 +254,7 @@ def test_killed_mid_epoch_with_workers_it_resumes_bitwise_and_reports_per_task(
     assert [e["step"] for e in events if e["event"] == "resumed"] == [30]
 
     def final(folder: Path) -> Any:
-        path = folder / "pde-operator" / "checkpoints" / "step-000000040.pt"
-        return torch.load(path, weights_only=True)["state"]
+        return read_checkpoint(folder / "pde-operator" / "checkpoints" / "step-40")["state"]
 
     found, expected = final(killed), final(plain)
     for key in ("model", "optimizer", "scheduler", "sampler", "step", "epoch", "rng"):

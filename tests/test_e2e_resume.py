@@ -7,11 +7,18 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
-from ups.core import ConfigError, UsageError, train
-from ups.core.testing import assert_bitwise_equal, install_plugin, run_ups, tiny_project
+from ups.core import ConfigError, Manifest, UsageError, checksum, train
+from ups.core.testing import (
+    assert_bitwise_equal,
+    install_plugin,
+    read_checkpoint,
+    run_ups,
+    tiny_project,
+)
 
 DROPOUT_MODEL = """
 import torch
@@ -61,15 +68,10 @@ def project(
 
 def final_state(result: Any) -> dict[str, Any]:
     """The replicated state of the run's final checkpoint, with every rank's own state as a
-    list under ``ranks`` (a file of ``simple``'s, or the files of ``local``'s folder)."""
+    list under ``ranks``."""
     assert result.checkpoint is not None
-    path = Path(result.checkpoint)
-    if not path.is_dir():
-        saved = torch.load(path, weights_only=True)
-        return {**saved["state"], "ranks": saved["ranks"]}
-    state: dict[str, Any] = torch.load(path / "state.pt", weights_only=True)
-    ranks = sorted(path.glob("rank-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-    return {**state, "ranks": [torch.load(p, weights_only=True) for p in ranks]}
+    saved = read_checkpoint(result.checkpoint)
+    return {**saved["state"], "ranks": saved["ranks"]}
 
 
 @pytest.mark.slow
@@ -275,14 +277,19 @@ def test_a_resume_on_other_data_or_from_another_format_is_refused(tmp_path: Path
     with pytest.raises(ConfigError, match=r"saved with dataset \[64\], this run has \[60\]"):
         train(project(tmp_path, 6, "latest"), nproc=1, overrides=["data.options.n=60"])
     # A checkpoint of an older layout (before the state had a format) is named, not misread.
-    saved = torch.load(result.checkpoint, weights_only=True)
-    del saved["state"]["format"]
-    torch.save(saved, result.checkpoint)
+    folder = Path(result.checkpoint)
+    saved = torch.load(folder / "state.pt", weights_only=True)
+    del saved["format"]
+    torch.save(saved, folder / "state.pt")
+    manifest = Manifest.from_json((folder / "COMMIT").read_text())
+    with open(folder / "state.pt", "rb") as file:  # committed as it is now: not damage
+        files = {**manifest.files, "state.pt": checksum(file)}
+    (folder / "COMMIT").write_text(attrs.evolve(manifest, files=files).to_json())
     with pytest.raises(UsageError) as info:
         train(project(tmp_path, 6, "latest"), nproc=1)
     assert str(info.value) == (
         f"checkpoint {result.checkpoint}: its training state has format None (saved by "
-        f"{', '.join(f'{k} {v}' for k, v in sorted(saved['state']['versions'].items()))}), "
+        f"{', '.join(f'{k} {v}' for k, v in sorted(saved['versions'].items()))}), "
         "this ups-dist-core reads format 1; resume it with the version that saved it, or start "
         "afresh (checkpoint.resume: none)"
     )

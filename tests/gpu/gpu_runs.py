@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ups.core.launch import free_port
+from ups.core.testing import read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 MULTITASK = ROOT / "examples" / "pde_multitask.yaml"
@@ -89,8 +88,7 @@ def events(result: subprocess.CompletedProcess[str], name: str | None = None) ->
 def checkpoint(run_dir: Path, step: int) -> dict[str, Any]:
     """The state the ``simple`` backend saved at ``step``, loaded onto the CPU, with every
     rank's own state as a list under ``ranks``."""
-    path = run_dir / "checkpoints" / f"step-{step:09d}.pt"
-    saved = torch.load(path, weights_only=True, map_location="cpu")
+    saved = read_checkpoint(run_dir / "checkpoints" / f"step-{step}")
     return {**saved["state"], "ranks": saved["ranks"]}
 
 

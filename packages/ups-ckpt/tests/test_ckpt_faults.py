@@ -3,7 +3,7 @@
 Each crash test runs two real ranks on a gloo process group that save steps 1 and 2, then
 save step 3 with one rank set to kill itself at one point of the save. Nothing in ``ups.ckpt``
 is changed for it: the rank that dies replaces, in its own process, a function the save calls
-at that point (``ups.ckpt.local._write``, ``os.rename`` as ``ups.ckpt.local`` sees it, ...)
+at that point (``ups.core.simple_checkpoint._write``, ``os.rename`` as ``ups.core.simple_checkpoint`` sees it, ...)
 by one that does part of the work and sends itself ``SIGKILL``. Its partner, stuck in a
 collective, is then killed, as a launcher would. A fresh group of two ranks, and a single
 process, must then load exactly the checkpoint the stage allows, bit for bit, and the next
@@ -33,8 +33,9 @@ import pytest
 import structlog
 import torch
 
-import ups.ckpt.local
+import ups.core.commit
 import ups.core.files
+import ups.core.simple_checkpoint
 from ups.ckpt import CheckpointError, LocalCheckpointer, LocalCheckpointOptions
 from ups.core import RunContext, distributed_session
 from ups.core.testing import assert_bitwise_equal, free_port, torchrun_env
@@ -81,7 +82,7 @@ FORKSERVER = multiprocessing.get_context("forkserver")
 
 @pytest.fixture(scope="module", autouse=True)
 def _forkserver_with_torch() -> None:
-    FORKSERVER.set_forkserver_preload(["torch", "ups.ckpt.local", "ups.core"])
+    FORKSERVER.set_forkserver_preload(["torch", "ups.ckpt.local", "ups.core.simple_checkpoint"])
 
 
 def _rank_main(
@@ -181,7 +182,7 @@ class Patched:
 
 def half_written(name: str) -> None:
     """Die half way through writing the file ``name``: half its bytes are on disk."""
-    real_write = ups.ckpt.local._write
+    real_write = ups.core.simple_checkpoint._write
 
     def write(path: Path, obj: Any) -> Any:
         if path.name != name:
@@ -194,7 +195,7 @@ def half_written(name: str) -> None:
             os.fsync(file.fileno())
         die()
 
-    CHILD.setattr(ups.ckpt.local, "_write", write)
+    CHILD.setattr(ups.core.simple_checkpoint, "_write", write)
 
 
 def writing_state() -> None:
@@ -214,7 +215,7 @@ def writing_commit() -> None:
             os.fsync(file.fileno())
         die()
 
-    CHILD.setattr(ups.ckpt.local, "_write_new", write_new)
+    CHILD.setattr(ups.core.simple_checkpoint, "_write_new", write_new)
 
 
 def renaming_into_place() -> None:
@@ -223,7 +224,7 @@ def renaming_into_place() -> None:
             die()
         os.rename(src, dst)
 
-    CHILD.setattr(ups.ckpt.local, "os", Patched(os, rename=rename))
+    CHILD.setattr(ups.core.simple_checkpoint, "os", Patched(os, rename=rename))
 
 
 def before_latest() -> None:
@@ -231,7 +232,7 @@ def before_latest() -> None:
         assert path.name == "latest"
         die()
 
-    CHILD.setattr(ups.ckpt.local, "write_atomically", write_atomically)
+    CHILD.setattr(ups.core.simple_checkpoint, "write_atomically", write_atomically)
 
 
 def replacing_latest() -> None:
@@ -249,7 +250,7 @@ def before_retention() -> None:
     def prune(*args: Any, **kwargs: Any) -> NoReturn:
         die()
 
-    CHILD.setattr(ups.ckpt.local, "prune", prune)
+    CHILD.setattr(ups.core.commit, "prune", prune)
 
 
 def during_retention() -> None:
@@ -262,19 +263,19 @@ def during_retention() -> None:
             die()
         shutil.rmtree(path, *args, **kwargs)
 
-    CHILD.setattr(ups.ckpt.local, "shutil", Patched(shutil, rmtree=rmtree))
+    CHILD.setattr(ups.core.simple_checkpoint, "shutil", Patched(shutil, rmtree=rmtree))
 
 
 def replacing_a_step_saved_before() -> None:
     """Saving step 3 again: the old step-3 deleted, the new one not renamed into place."""
-    real_remove = ups.ckpt.local._remove
+    real_remove = ups.core.simple_checkpoint._remove
 
     def remove(path: Path, folder: Path) -> None:
         real_remove(path, folder)
         if path.name == "step-3":
             die()
 
-    CHILD.setattr(ups.ckpt.local, "_remove", remove)
+    CHILD.setattr(ups.core.simple_checkpoint, "_remove", remove)
 
 
 @attrs.frozen

@@ -19,12 +19,9 @@ import torch
 from torch import nn
 
 from ups.ckpt import CheckpointError, LocalCheckpointOptions, ShardedCheckpointer
-from ups.ckpt.errors import UnsafeCheckpointError
-from ups.ckpt.manifest import Manifest
 from ups.ckpt.plugin import sharded_backend
-from ups.ckpt.serialize import checksum
 from ups.ckpt.sharded import fingerprint, read_metadata, split, weighted_sum
-from ups.core import Loaded, RunContext, train
+from ups.core import Loaded, Manifest, RunContext, UnsafeCheckpointError, checksum, train
 from ups.core.testing import assert_bitwise_equal, run_ranks, tiny_project
 
 SINGLE = RunContext()

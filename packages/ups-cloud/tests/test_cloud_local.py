@@ -191,7 +191,7 @@ def test_a_submitted_run_trains_to_success(project: Path, launcher: LocalLaunche
     assert launcher.status(handle) == "SUCCEEDED", text
     done = [e for e in events(text) if e.get("event") == "done"]
     assert done == [done[0]] and done[0]["steps"] == 3, text
-    assert (project / "runs" / "tiny" / "checkpoints" / "step-000000003.pt").is_file()
+    assert (project / "runs" / "tiny" / "checkpoints" / "step-3" / "COMMIT").is_file()
     wait_for(lambda: gone(record["pid"]), 10, "the runner's exit")
 
 

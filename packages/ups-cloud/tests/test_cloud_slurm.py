@@ -218,7 +218,7 @@ def test_a_two_process_gloo_job_trains_to_success(project: Path, launcher: TidyS
     assert f"ups: job {job_id} on localhost, rendezvous at localhost:" in text
     done = [e for e in events(text) if e.get("event") == "done"]
     assert len(done) == 1 and done[0]["steps"] == 3, text
-    assert (project / "runs" / "tiny" / "checkpoints" / "step-000000003.pt").is_file(), text
+    assert (project / "runs" / "tiny" / "checkpoints" / "step-3" / "COMMIT").is_file(), text
     launcher.cancel(handle)  # an ended job is left as it is
     assert launcher.status(handle) == "SUCCEEDED"
 
@@ -261,7 +261,7 @@ def test_a_preemption_notice_saves_a_checkpoint_and_requeues(
         text = launcher.logs(handle)
         assert "ups: pre-emption notice (SIGUSR1): the ranks save and stop" in text
         saved = [e for e in events(text) if e.get("event") == "checkpoint saved"]
-        assert len(saved) == 1 and Path(str(saved[0]["location"])).is_file(), text
+        assert len(saved) == 1 and (Path(str(saved[0]["location"])) / "COMMIT").is_file(), text
         # The requeued job (same id, same output file) resumes from that checkpoint once SLURM
         # lets it start again: after the test cluster's cred_expire (10 s), while the killed
         # run's job credential stays revoked.
@@ -302,7 +302,7 @@ def test_without_requeue_a_preemption_notice_saves_and_fails_the_job(
     assert launcher.status(handle) == "FAILED", text
     assert "ups: stopped by the pre-emption notice" in text
     saved = [e for e in events(text) if e.get("event") == "checkpoint saved"]
-    assert len(saved) == 1 and Path(str(saved[0]["location"])).is_file(), text
+    assert len(saved) == 1 and (Path(str(saved[0]["location"])) / "COMMIT").is_file(), text
     assert not processes_mentioning(str(project / "run.yaml"))
 
 

@@ -489,7 +489,7 @@ def test_a_script_trains_uploads_and_shuts_down(tmp_path: Path, bin_dir: Path) -
     assert result.returncode == 0, result.stdout[-3000:]
     runs = tmp_path / "machine" / "runs"
     assert (tmp_path / "machine" / "data.marker").read_text() == "data\n"
-    checkpoints = sorted((runs / "tiny" / "checkpoints").glob("step-*.pt"))
+    checkpoints = sorted((runs / "tiny" / "checkpoints").glob("step-*/COMMIT"))
     assert checkpoints, "training saved no checkpoint"
     bucket = tmp_path / "bucket"
     uploaded = sorted(p.relative_to(bucket) for p in bucket.rglob("*") if p.is_file())
@@ -565,9 +565,9 @@ def test_two_machines_train_over_the_private_network(tmp_path: Path, bin_dir: Pa
         )
         assert f"network: {found}" in (run / LOG_FILE).read_text()
     # Global rank 0 (on either machine) saved the checkpoints: of a world of 2, to the end.
-    checkpoints = [p for run in runs for p in (run / "tiny" / "checkpoints").glob("step-*.pt")]
-    assert [p.name for p in checkpoints] == ["step-000000004.pt"]  # 64 samples, 8 a batch, 2 ranks
-    state = torch.load(checkpoints[0], weights_only=True)["state"]
+    checkpoints = [p for run in runs for p in (run / "tiny" / "checkpoints").glob("step-*")]
+    assert [p.name for p in checkpoints] == ["step-4"]  # 64 samples, 8 a batch, 2 ranks
+    state = torch.load(checkpoints[0] / "state.pt", weights_only=True)
     assert (state["world_size"], state["step"]) == (2, 4)
     assert (bucket / EXIT_FILE).read_text() == "0\n"
     assert (bucket / "nodes" / "1" / EXIT_FILE).read_text() == "0\n"

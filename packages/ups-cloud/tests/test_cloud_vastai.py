@@ -353,7 +353,7 @@ def test_the_machine_trains_the_config_and_stops_itself_with_the_real_cli(
     assert labels[-1] == f"ups-exit-{status}"
     if action == "stop":
         assert done.returncode == 0 and status == "0", log[-3000:]
-        assert sorted((runs / "tiny" / "checkpoints").glob("step-*.pt")), "no checkpoint"
+        assert sorted((runs / "tiny" / "checkpoints").glob("step-*/COMMIT")), "no checkpoint"
         assert (machine / "configs" / "tiny.yaml").read_text() == Path(
             "configs/tiny.yaml"
         ).read_text()

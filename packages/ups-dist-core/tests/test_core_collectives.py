@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ups.core import RankFailedError, RunContext, all_mean, decide
-from ups.core.errors import UsageError
+from ups.core import CheckpointError, RankFailedError, RunContext, all_mean, decide
 from ups.core.simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
 from ups.core.testing import run_ranks
 
@@ -69,7 +68,7 @@ def load_rank_state(ctx: RunContext, folder: str) -> object:
 
 def test_simple_checkpoint_round_trip_and_retention(tmp_path: Path) -> None:
     results = run_ranks(save_and_load, 2, str(tmp_path))
-    expected = str(tmp_path / "checkpoints" / "step-000000003.pt")
+    expected = str(tmp_path / "checkpoints" / "step-3")
     assert results == [
         (expected, 3, [3.0, 3.0], {"mine": 3}),
         (expected, 3, [3.0, 3.0], {"mine": 13}),
@@ -77,25 +76,21 @@ def test_simple_checkpoint_round_trip_and_retention(tmp_path: Path) -> None:
     # Another number of ranks has no state of its own in the checkpoint.
     assert run_ranks(load_rank_state, 1, str(tmp_path)) == [None]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "step-000000002.pt",
-        "step-000000003.pt",
+        "latest",
+        "step-2",
+        "step-3",
     ]
 
 
-class Evil:
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (print, ("pwned",))
-
-
-def test_simple_checkpoint_refuses_pickles_that_run_code(tmp_path: Path) -> None:
+def test_simple_checkpoint_refuses_the_one_file_layout_of_earlier_versions(tmp_path: Path) -> None:
     folder = tmp_path / "checkpoints"
     folder.mkdir()
-    torch.save({"x": Evil()}, folder / "step-000000001.pt")
+    torch.save({"state": {}, "ranks": [{}]}, folder / "step-000000001.pt")
     ckpt = SimpleCheckpointer(
         ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions()
     )
     with pytest.raises(
-        UsageError, match=r"refusing to load .*step-000000001\.pt: it holds objects"
+        CheckpointError, match=r"step-000000001\.pt is a checkpoint in the one-file layout"
     ):
         ckpt.load_latest()
 
@@ -106,9 +101,9 @@ def test_simple_checkpoint_skips_a_damaged_file_for_the_newest_that_reads(tmp_pa
     )
     for step in (1, 2, 3):
         ckpt.save({"w": torch.full((2,), float(step))}, step=step, rank_state={})
-    newest = tmp_path / "checkpoints" / "step-000000003.pt"
+    newest = tmp_path / "checkpoints" / "step-3" / "state.pt"
     newest.write_bytes(newest.read_bytes()[:100])  # cut short, as by a failing disk
-    (tmp_path / "checkpoints" / "step-000000002.pt").write_bytes(b"")  # emptied
+    (tmp_path / "checkpoints" / "step-2" / "state.pt").write_bytes(b"")  # emptied
     loaded = ckpt.load_latest()
     assert loaded is not None
     assert (loaded.step, loaded.state["w"].tolist()) == (1, [1.0, 1.0])

@@ -9,7 +9,7 @@ import torch
 
 from ups.core import ConfigError, load_config, load_plugins, train
 from ups.core.imports import load_object
-from ups.core.testing import tiny_project
+from ups.core.testing import read_checkpoint, tiny_project
 from ups.core.validate import validate
 
 EVAL = {"factory": "tiny.py:build_dataset", "options": {"n": 67}, "every_steps": 2}
@@ -25,7 +25,7 @@ def test_evaluation_on_two_uneven_shards_counts_every_sample_once(tmp_path: Path
     # The same loss, computed here in one process over the whole set, from the final weights.
     assert result.checkpoint is not None
     model = load_object(f"{tmp_path / 'tiny.py'}:build_model", "model")()
-    model.load_state_dict(torch.load(result.checkpoint, weights_only=True)["state"]["model"])
+    model.load_state_dict(read_checkpoint(result.checkpoint)["state"]["model"])
     inputs, targets = load_object(f"{tmp_path / 'tiny.py'}:build_dataset", "data")(n=67).tensors
     with torch.no_grad():
         expected = torch.nn.functional.mse_loss(model(inputs), targets).item()
@@ -46,7 +46,7 @@ def test_a_scheduled_lr_change_and_stop_happen_at_their_steps(tmp_path: Path) ->
     assert result.steps == 6
     assert [m["lr"] for m in result.metrics] == pytest.approx([0.05, 0.05, 0.025])
     assert result.checkpoint is not None
-    state = torch.load(result.checkpoint, weights_only=True)["state"]["schedule"]
+    state = read_checkpoint(result.checkpoint)["state"]["schedule"]
     assert [f["step"] for f in state["fired"]] == [4, 6]
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ups.core import ConfigError, load_config, load_plugins, train
 from ups.core.optim import OPTIMIZERS, SCHEDULERS
-from ups.core.testing import tiny_project
+from ups.core.testing import read_checkpoint, tiny_project
 from ups.core.validate import TORCH_NAMES, validate
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pde_multitask.py"
@@ -21,7 +21,7 @@ def final_params(folder: Path, nproc: int, **sections: dict[str, Any]) -> dict[s
     config = tiny_project(folder, **sections)
     result = train(config, nproc=nproc)
     assert result.checkpoint is not None
-    return torch.load(result.checkpoint, weights_only=True)["state"]["model"]  # type: ignore[no-any-return]
+    return read_checkpoint(result.checkpoint)["state"]["model"]  # type: ignore[no-any-return]
 
 
 def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -13,7 +13,7 @@ import yaml
 
 from ups.core import ConfigError, Step, StepError, load_config, load_plugins, train
 from ups.core.batches import BatchError
-from ups.core.testing import assert_bitwise_equal
+from ups.core.testing import assert_bitwise_equal, read_checkpoint
 from ups.core.validate import validate
 
 STEP_MODULE = '''
@@ -132,7 +132,7 @@ def final(path: Path, nproc: int = 1, overrides: tuple[str, ...] = ()) -> tuple[
     """The run's result and the model its final checkpoint holds."""
     result = train(path, nproc=nproc, overrides=overrides)
     assert result.checkpoint is not None
-    state = torch.load(result.checkpoint, weights_only=True)["state"]
+    state = read_checkpoint(result.checkpoint)["state"]
     return result, state["model"]
 
 

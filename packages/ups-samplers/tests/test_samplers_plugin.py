@@ -6,11 +6,10 @@ from pathlib import Path
 from typing import cast
 
 import pytest
-import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from ups.core import ConfigError, RunContext, SamplerPlugin, load_plugins, train
-from ups.core.testing import run_ranks, tiny_project
+from ups.core.testing import read_checkpoint, run_ranks, tiny_project
 from ups.samplers import TensorDistributedSampler, TensorSamplerOptions, plugin
 
 
@@ -116,6 +115,6 @@ def test_the_example_trains_with_the_multitask_and_exact_samplers(tmp_path: Path
     assert result.eval_metrics[-1]["samples"] == 33  # every evaluation sample once
     # The checkpoint holds where the sampler is: 2 ranks, 4 batches of 6 taken by each.
     assert result.checkpoint is not None
-    state = torch.load(result.checkpoint, weights_only=True)["state"]["sampler"]
+    state = read_checkpoint(result.checkpoint)["state"]["sampler"]
     assert state["sampler"] == "MultiTaskDistributedSampler"
     assert (state["epoch"], state["segments"], state["length"]) == (0, [[2, 24]], 60)

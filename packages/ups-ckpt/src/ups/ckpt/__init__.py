@@ -6,6 +6,9 @@ pointer); see :mod:`ups.ckpt.local`. Select it in the config with
 ``checkpoint: {name: local, options: {keep_last: 3}}``; ``async_save: true`` writes in the
 background (:mod:`ups.ckpt.background`).
 
+The commit protocol the backends share, its errors and records (:class:`CheckpointError`,
+:class:`Manifest`, ...) are the engine's (:mod:`ups.core.commit`), re-exported here.
+
 In a loop of one's own, :func:`checkpointer` builds one from a folder or URL and options (see
 docs/own-loop.md).
 """
@@ -15,31 +18,41 @@ from typing import TYPE_CHECKING
 from ups.core import lazy_exports
 
 if TYPE_CHECKING:
+    from ups.core import (
+        CheckpointError,
+        Committed,
+        FileRecord,
+        Manifest,
+        UnsafeCheckpointError,
+        expired,
+    )
+
     from ._by_path import checkpointer
     from .background import InBackground, Stager, stage
-    from .errors import CheckpointError, UnsafeCheckpointError
-    from .local import Committed, LocalCheckpointer, LocalCheckpointOptions
-    from .manifest import Manifest
+    from .local import LocalCheckpointer, LocalCheckpointOptions
     from .remote import FsspecCheckpointer, FsspecCheckpointOptions
-    from .retention import expired
-    from .serialize import FileRecord
     from .sharded import ShardedCheckpointer
 
 _EXPORTS = {
+    **dict.fromkeys(
+        [
+            "CheckpointError",
+            "Committed",
+            "FileRecord",
+            "Manifest",
+            "UnsafeCheckpointError",
+            "expired",
+        ],
+        "ups.core",
+    ),
     "checkpointer": "._by_path",
     "InBackground": ".background",
     "Stager": ".background",
     "stage": ".background",
-    "CheckpointError": ".errors",
-    "UnsafeCheckpointError": ".errors",
-    "Committed": ".local",
     "LocalCheckpointer": ".local",
     "LocalCheckpointOptions": ".local",
-    "Manifest": ".manifest",
     "FsspecCheckpointer": ".remote",
     "FsspecCheckpointOptions": ".remote",
-    "expired": ".retention",
-    "FileRecord": ".serialize",
     "ShardedCheckpointer": ".sharded",
 }
 

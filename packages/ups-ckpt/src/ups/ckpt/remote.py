@@ -48,15 +48,20 @@ import attrs
 import structlog
 import torch.distributed as dist
 
-from ups.core import ConfigError, RunContext
+from ups.core import (
+    COMMIT_FILE,
+    LATEST_FILE,
+    CheckpointError,
+    Committing,
+    ConfigError,
+    FileRecord,
+    RunContext,
+    checksum,
+    dump,
+    load,
+)
 
-from ._latest import newest_verified
-from ._protocol import Committing
-from .errors import CheckpointError, describe
-from .local import _STEP_DIR, LATEST_FILE, LocalCheckpointOptions
-from .manifest import MANIFEST, Manifest, read_committed
-from .retention import prune
-from .serialize import FileRecord, checksum, dump, load
+from .local import LocalCheckpointOptions
 
 log = structlog.get_logger()
 
@@ -83,21 +88,9 @@ class FsspecCheckpointOptions(LocalCheckpointOptions):
     never logged. Keys and secrets belong in the environment (``AWS_ACCESS_KEY_ID``, ...)."""
 
 
-@attrs.frozen
-class CommittedPrefix:
-    """A committed checkpoint: its prefix's name (``step-<N>``) and its manifest."""
-
-    name: str
-    manifest: Manifest
-
-    @property
-    def step(self) -> int:
-        return self.manifest.step
-
-
 class FsspecCheckpointer(Committing[str]):
     """Keeps checkpoints as ``<url>/step-<N>/`` prefixes through fsspec (see the module doc):
-    the commit protocol of :class:`~ups.ckpt._protocol.Committing` over a store without rename.
+    the commit protocol of :class:`~ups.core.Committing` over a store without rename.
 
     ``directory``: the run's folder, which a relative local path is taken relative to.
     ``group``: the process group its collectives use (``None``: the default one); a background
@@ -117,25 +110,19 @@ class FsspecCheckpointer(Committing[str]):
         url = options.url.rstrip("/")
         if "://" not in url and not Path(url).is_absolute():
             url = str(Path(directory) / url)
-        super().__init__(ctx, group, place=f" under {url}")
+        super().__init__(
+            ctx,
+            group,
+            f" under {url}",
+            f"under {url}",
+            keep_last=options.keep_last,
+            keep_every=options.keep_every,
+        )
         self.options = options
         self.url = url
         """The URL the checkpoints are under, as locations and messages name them."""
         self.fs, self.root = _filesystem(url, options.storage_options)
         self._swept = False
-
-    def location(self, step: int) -> str:
-        """The URL checkpoint ``step`` has once committed."""
-        return self._url(f"step-{step}")
-
-    def committed(self) -> list[CommittedPrefix]:
-        """The committed checkpoints under the URL, oldest step first (listed on this rank)."""
-        found = []
-        for name in self._step_prefixes():
-            manifest = self._manifest(name)
-            if manifest is not None:
-                found.append(CommittedPrefix(name, manifest))
-        return sorted(found, key=lambda c: c.step)
 
     # -- the store ----------------------------------------------------------------------------
 
@@ -144,11 +131,11 @@ class FsspecCheckpointer(Committing[str]):
         older one of that step, and, at this checkpointer's first save, the uncommitted
         prefixes earlier runs left."""
         name = f"step-{step}"
-        prefixes = self._step_prefixes()
+        prefixes = self._published()
         if not self._swept:  # no save of this checkpointer is in flight yet
             self._swept = True
             for left in prefixes:
-                if left != name and not self.fs.exists(self._path(f"{left}/{MANIFEST}")):
+                if left != name and not self.fs.exists(self._path(f"{left}/{COMMIT_FILE}")):
                     log.info("uncommitted checkpoint deleted", checkpoint=self._url(left))
                     self.fs.rm(self._path(left), recursive=True)
         if name in prefixes:
@@ -164,6 +151,10 @@ class FsspecCheckpointer(Committing[str]):
         with self.fs.open(self._path(f"{where}/{name}"), "rb") as file:
             return load(file, self._url(f"{where}/{name}"))
 
+    def _checksum(self, where: str, name: str) -> FileRecord:
+        with self.fs.open(self._path(f"{where}/{name}"), "rb") as file:
+            return checksum(file)
+
     def _discard(self, staged: str) -> None:
         """Delete what a failed save wrote, if it can (a prefix left uncommitted is harmless)."""
         try:
@@ -174,7 +165,7 @@ class FsspecCheckpointer(Committing[str]):
             log.warning(
                 "could not delete a failed save",
                 checkpoint=self._url(staged),
-                error=describe(error),
+                error=f"{type(error).__name__}: {error}",
             )
 
     def _verify(self, staged: str, files: dict[str, FileRecord]) -> dict[str, FileRecord]:
@@ -193,34 +184,24 @@ class FsspecCheckpointer(Committing[str]):
                 )
         return files
 
-    def _write_manifest(self, staged: str, manifest: Manifest) -> None:
-        self.fs.pipe_file(self._path(f"{staged}/{MANIFEST}"), manifest.to_json().encode())
+    def _write_manifest(self, staged: str, text: str) -> None:
+        self.fs.pipe_file(self._path(f"{staged}/{COMMIT_FILE}"), text.encode())
 
     def _publish(self, staged: str, step: int) -> str:
         return staged  # written where it stays: its COMMIT commits it
 
-    def _point_latest(self, where: str) -> None:
-        self.fs.pipe_file(self._path(LATEST_FILE), f"{where}\n".encode())
+    def _point_latest(self, name: str) -> None:
+        self.fs.pipe_file(self._path(LATEST_FILE), f"{name}\n".encode())
 
-    def _retain(self, protect: int) -> None:
-        prune(
-            {c.step: c.name for c in self.committed()},
-            self._remove,
-            keep_last=self.options.keep_last,
-            keep_every=self.options.keep_every,
-            protected=protect,
-        )
+    def _read_latest(self) -> str | None:
+        try:
+            text: str = self.fs.cat_file(self._path(LATEST_FILE)).decode(errors="replace")
+        except FileNotFoundError:
+            return None
+        return text
 
-    def _find_latest(self) -> tuple[str, int, int] | None:
-        pointer = self._latest()
-        found = newest_verified(
-            self.committed(),
-            latest=None if pointer is None else self._url(pointer),
-            location=lambda c: self._url(c.name),
-            damage=self._damage,
-            where=f"under {self.url}",
-        )
-        return None if found is None else (found.name, found.step, found.manifest.world_size)
+    def _named(self, name: str) -> str:
+        return name
 
     def _location_of(self, where: str) -> str:
         return self._url(where)
@@ -233,55 +214,27 @@ class FsspecCheckpointer(Committing[str]):
         """The URL of ``relative`` (to the URL), as locations and messages name it."""
         return f"{self.url}/{relative}"
 
-    def _step_prefixes(self) -> list[str]:
-        """The names of the ``step-<N>`` prefixes under the URL, committed or not."""
+    def _listed(self) -> dict[str, str]:
         self.fs.invalidate_cache()
         try:
             entries = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:  # nothing saved yet
-            return []
-        return [
-            _basename(entry["name"])
-            for entry in entries
-            if entry["type"] == "directory" and _STEP_DIR.fullmatch(_basename(entry["name"]))
-        ]
+            return {}
+        names = (_basename(entry["name"]) for entry in entries if entry["type"] == "directory")
+        return {name: name for name in names}
 
-    def _manifest(self, name: str) -> Manifest | None:
-        """The manifest of checkpoint ``name``, or ``None`` when it is not committed."""
+    def _read_manifest(self, where: str) -> str | None:
         try:
-            text: str | None = self.fs.cat_file(self._path(f"{name}/{MANIFEST}")).decode()
-        except FileNotFoundError:
-            text = None
-        return read_committed(text, name, self._url(name))
-
-    def _latest(self) -> str | None:
-        try:
-            name = self.fs.cat_file(self._path(LATEST_FILE)).decode(errors="replace").strip()
+            text: str = self.fs.cat_file(self._path(f"{where}/{COMMIT_FILE}")).decode()
         except FileNotFoundError:
             return None
-        return name if _STEP_DIR.fullmatch(name) else None
-
-    def _damage(self, checkpoint: CommittedPrefix) -> str | None:
-        """What is wrong with a committed checkpoint's files (``None``: they match)."""
-        for file, record in checkpoint.manifest.files.items():
-            url = self._url(f"{checkpoint.name}/{file}")
-            try:
-                with self.fs.open(self._path(f"{checkpoint.name}/{file}"), "rb") as opened:
-                    found = checksum(opened)
-            except FileNotFoundError:
-                return f"{url} is missing"
-            if found != record:
-                return (
-                    f"{url} has {found.size} bytes, CRC-32 {found.crc32:08x}; COMMIT says "
-                    f"{record.size} bytes, CRC-32 {record.crc32:08x}"
-                )
-        return None
+        return text
 
     def _remove(self, name: str) -> None:
         """Delete checkpoint ``name``: ``COMMIT`` first, so it never looks committed while
         half deleted, then the rest."""
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._path(f"{name}/{MANIFEST}"))
+            self.fs.rm_file(self._path(f"{name}/{COMMIT_FILE}"))
         self.fs.rm(self._path(name), recursive=True)
 
 
@@ -305,7 +258,7 @@ def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     try:
         fs, root = url_to_fs(url, **options)
     except (ImportError, ValueError, TypeError) as error:  # "Install s3fs to access S3", ...
-        raise ConfigError("checkpoint.options", f"{url}: {describe(error)}") from None
+        raise ConfigError("checkpoint.options", f"{url}: {type(error).__name__}: {error}") from None
     return fs, str(root).rstrip("/")
 
 

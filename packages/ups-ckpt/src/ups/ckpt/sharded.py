@@ -51,11 +51,18 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ups.core import RunContext, decide, fsync_dir, gather_failures
+from ups.core import (
+    CheckpointError,
+    FileRecord,
+    RunContext,
+    UnsafeCheckpointError,
+    checksum,
+    decide,
+    fsync_dir,
+    gather_failures,
+)
 
-from .errors import CheckpointError, UnsafeCheckpointError
-from .local import LocalCheckpointer, _read, _write
-from .serialize import FileRecord, checksum
+from .local import LocalCheckpointer
 
 SKELETON_FILE = "skeleton.pt"
 SHARDS = "shards"
@@ -105,14 +112,14 @@ class ShardedCheckpointer(LocalCheckpointer):
         if not self.ctx.is_main:
             return {}
         fsync_dir(tmp / SHARDS)
-        return records | {SKELETON_FILE: _write(tmp / SKELETON_FILE, skeleton)}
+        return records | {SKELETON_FILE: self._put(tmp, SKELETON_FILE, skeleton)}
 
     def _read_state(self, path: Path) -> dict[str, Any]:
         """Read the skeleton and DCP's index, allocate the tensors, and load them with DCP."""
         error: Exception | None = None
         prepared: tuple[dict[str, Any], dict[str, torch.Tensor], Metadata] | None = None
         try:
-            prepared = _prepare_load(path)
+            prepared = _prepare_load(path, self._get(path, SKELETON_FILE))
         except Exception as caught:  # every rank stops below
             error = caught
         self._stop_together(error)
@@ -162,7 +169,7 @@ def split(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Ten
     tensor of its shape and dtype, "tensors": their names, in the tree's order}``) and its
     tensors by name: the path of keys and positions joined by ``/``, with ``#2``, ``#3`` added
     to a name already taken (by a key holding a ``/``). Dicts, ordered dicts, lists and tuples
-    are searched, as :func:`~ups.ckpt.serialize.check_safe` does."""
+    are searched, as :func:`~ups.core.serialize.check_safe` does."""
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(obj: Any, path: tuple[str, ...]) -> Any:
@@ -184,10 +191,11 @@ def split(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Ten
     return {"tree": tree, "tensors": list(tensors)}, tensors
 
 
-def _prepare_load(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Metadata]:
-    """The state of the skeleton with empty tensors in place of the meta ones, those tensors
-    by name, and DCP's index, checked against each other."""
-    skeleton = _read(path / SKELETON_FILE)
+def _prepare_load(
+    path: Path, skeleton: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], Metadata]:
+    """The state of the checkpoint ``path``'s ``skeleton`` with empty tensors in place of the
+    meta ones, those tensors by name, and DCP's index, checked against each other."""
     metadata = read_metadata(path / SHARDS / METADATA_FILE)
     names = iter(skeleton["tensors"])
     tensors: dict[str, torch.Tensor] = {}

@@ -15,8 +15,10 @@ from .lazy import imported, lazy_exports
 from .structure import above, at_least, structure  # eager: ``structure`` is a module's name too
 
 if TYPE_CHECKING:
+    from .checkpoint_errors import CheckpointError, UnsafeCheckpointError
     from .cli import EXIT_PREEMPTED
     from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
+    from .commit import COMMIT_FILE, LATEST_FILE, Committed, Committing
     from .config import Config, config_from_mapping, load_config, read_yaml
     from .context import RunContext, distributed_session
     from .errors import ConfigError, UsageError, did_you_mean, one_of
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
         train,
         train_args,
     )
+    from .manifest import Manifest
     from .markers import hookimpl
     from .metrics import LossWindow, PendingReport
     from .plugins import Registry, load_plugins
@@ -51,15 +54,24 @@ if TYPE_CHECKING:
         TrainResult,
     )
     from .report import read_metrics, write_report
+    from .retention import expired
+    from .serialize import FileRecord, checksum, dump, load
+    from .simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
     from .step import Step, StepError
     from .watchdog import Watchdog
 
 _EXPORTS = {
+    "CheckpointError": ".checkpoint_errors",
+    "UnsafeCheckpointError": ".checkpoint_errors",
     "Failure": ".collectives",
     "RankFailedError": ".collectives",
     "all_mean": ".collectives",
     "decide": ".collectives",
     "gather_failures": ".collectives",
+    "COMMIT_FILE": ".commit",
+    "LATEST_FILE": ".commit",
+    "Committed": ".commit",
+    "Committing": ".commit",
     "Config": ".config",
     "config_from_mapping": ".config",
     "load_config": ".config",
@@ -103,6 +115,14 @@ _EXPORTS = {
     "TrainResult": ".records",
     "read_metrics": ".report",
     "write_report": ".report",
+    "expired": ".retention",
+    "FileRecord": ".serialize",
+    "checksum": ".serialize",
+    "dump": ".serialize",
+    "load": ".serialize",
+    "SimpleCheckpointOptions": ".simple_checkpoint",
+    "SimpleCheckpointer": ".simple_checkpoint",
+    "Manifest": ".manifest",
     "Step": ".step",
     "StepError": ".step",
 }
@@ -164,6 +184,20 @@ __all__ = [
     "train_args",
     "write_atomically",
     "write_report",
+    "CheckpointError",
+    "UnsafeCheckpointError",
+    "COMMIT_FILE",
+    "LATEST_FILE",
+    "Committed",
+    "Committing",
+    "expired",
+    "FileRecord",
+    "checksum",
+    "dump",
+    "load",
+    "SimpleCheckpointOptions",
+    "SimpleCheckpointer",
+    "Manifest",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,118 +1,217 @@
-"""The built-in ``simple`` checkpoint backend: one ``torch.save`` file per checkpoint.
+"""The built-in ``simple`` checkpoint backend: one folder per checkpoint, committed atomically.
 
-Rank 0 gathers every rank's own state and writes it with the (replicated) state to a temporary
-file in the same folder, fsyncs it and renames it into place, so a file named ``step-*.pt`` is
-always complete. Saving and loading are
-collectives every rank enters; a failure on rank 0 is raised on every rank. Files load with
-``weights_only=True``: one that would run code is refused, naming it; one damaged since (a
-truncated or unreadable file) is skipped with a warning naming it, for the newest that reads.
-``ups-ckpt`` provides backends for sharded, remote and async checkpoints.
+It is the commit protocol (:mod:`ups.core.commit`) over a folder; ups-ckpt's ``local`` backend
+is this folder with more options. Layout under the run's folder::
+
+    checkpoints/
+        step-100/           a committed checkpoint
+            state.pt        the replicated state, written by rank 0
+            rank-0.pt       what each rank keeps of its own (its RNG state)
+            rank-1.pt
+            COMMIT          the manifest, written last: step, world size, files, sizes, CRC-32s
+        latest              the name of the newest checkpoint ("step-100"), replaced atomically
+        .tmp-step-150-1f2e  a save in progress, or one that crashed: never loaded
+
+Every rank's own state is gathered to rank 0, which alone writes: it makes the temporary
+folder, writes and fsyncs every file there, writes ``COMMIT``, fsyncs the folder, renames it to
+``step-<N>`` and replaces ``latest``; so saving needs the folder on rank 0's machine only.
+Loading needs it on every rank's (one machine, or a shared filesystem). A folder of the
+one-file layout of earlier versions (``step-000000100.pt``) is refused, naming such a file.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
-import tempfile
+import secrets
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
-import structlog
-import torch
 import torch.distributed as dist
 
-from .collectives import decide
+from .checkpoint_errors import CheckpointError
+from .commit import COMMIT_FILE, LATEST_FILE, Committing, rank_file
 from .context import RunContext
-from .errors import UsageError
-from .files import fsync_dir
-from .records import Loaded
+from .files import fsync_dir, write_atomically
+from .serialize import FileRecord, checksum, dump, load
 from .structure import at_least
 
-log = structlog.get_logger()
+CHECKPOINTS = "checkpoints"
+"""The folder, inside the run's folder, that holds the checkpoints."""
 
 
 @attrs.frozen(kw_only=True)
 class SimpleCheckpointOptions:
     """Options of the ``simple`` backend."""
 
-    keep_last: int = attrs.field(default=2, validator=at_least(1))
-    """How many checkpoints to keep; older ones are deleted after a save succeeds."""
+    keep_last: int | None = attrs.field(default=2, validator=at_least(1))
+    """How many of the newest committed checkpoints to keep; older ones are deleted after a
+    save commits (``null``: keep all). The checkpoint ``latest`` names is never deleted."""
+    keep_every: int | None = attrs.field(default=None, validator=at_least(1))
+    """Also keep every checkpoint whose step is a multiple of this (``null``: none kept for it)."""
 
 
-class SimpleCheckpointer:
-    """Keeps checkpoints as ``<run dir>/checkpoints/step-<step>.pt``."""
+class SimpleCheckpointer(Committing[Path]):
+    """Keeps checkpoints as ``<run dir>/checkpoints/step-<N>/`` folders (see the module doc).
 
-    def __init__(self, *, ctx: RunContext, directory: Path, options: SimpleCheckpointOptions):
-        self.ctx = ctx
-        self.folder = directory / "checkpoints"
-        self.options = options
+    ``group``: the process group its collectives use (``None``: the default one).
+    """
 
-    def save(self, state: Mapping[str, Any], *, step: int, rank_state: Mapping[str, Any]) -> str:
-        """Write rank 0's ``state`` and every rank's ``rank_state`` atomically; every rank
-        returns the file's path."""
-        path = self.folder / f"step-{step:09d}.pt"
-        ranks: list[object] = [dict(rank_state)]
-        if self.ctx.distributed:
-            ranks = [None] * self.ctx.world_size if self.ctx.is_main else []
-            dist.gather_object(dict(rank_state), ranks if self.ctx.is_main else None, dst=0)
-        return decide(self.ctx, lambda: self._write({"state": dict(state), "ranks": ranks}, path))
+    gathers_rank_states = True
 
-    def load_latest(self) -> Loaded | None:
-        """Load the newest checkpoint rank 0 can read, on every rank, or ``None`` if there is
-        none.
-
-        :raises UsageError: (on every rank) naming a checkpoint that would run code to load.
-        """
-        newest = decide(self.ctx, self._newest_readable)
-        if newest is None:
-            return None
-        saved = torch.load(newest, map_location="cpu", weights_only=True)
-        ranks = saved["ranks"]
-        return Loaded(
-            step=int(Path(newest).stem.split("-")[1]),
-            state=saved["state"],
-            rank_state=ranks[self.ctx.rank] if len(ranks) == self.ctx.world_size else None,
-            location=newest,
+    def __init__(
+        self,
+        *,
+        ctx: RunContext,
+        directory: Path,
+        options: SimpleCheckpointOptions,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.folder = Path(directory) / CHECKPOINTS
+        keep_last, keep_every = options.keep_last, options.keep_every
+        super().__init__(
+            ctx, group, "", f"in {self.folder}", keep_last=keep_last, keep_every=keep_every
         )
+        self.options = options
+        self._swept = False
 
-    def wait(self) -> None:
-        """Nothing to wait for: :meth:`save` returns once the file is in place."""
+    # -- the folder ---------------------------------------------------------------------------
 
-    def _write(self, state: dict[str, Any], path: Path) -> str:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".pt")
-        try:
-            with os.fdopen(fd, "wb") as file:
-                torch.save(state, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        fsync_dir(self.folder)
-        for old in self._committed()[: -self.options.keep_last]:
-            old.unlink()
-        return str(path)
-
-    def _newest_readable(self) -> str | None:
-        """The newest checkpoint whose structure loads with ``weights_only=True`` (tensor
-        data memory-mapped, not read); damaged ones are skipped, with a warning."""
-        for path in reversed(self._committed()):
+    def _begin(self, step: int) -> Path:
+        self._refuse_one_file_layout()
+        if not self.folder.is_dir():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.folder.parent)
+        if not self._swept:  # what earlier runs left: no save of this run is in flight yet
+            self._swept = True
+            for pattern in (".tmp-step-*", ".trash-*", f".{LATEST_FILE}-*"):
+                for left in self.folder.glob(pattern):
+                    if left.is_dir():
+                        shutil.rmtree(left, ignore_errors=True)
+                    else:
+                        left.unlink(missing_ok=True)
+        while True:
+            tmp = self.folder / f".tmp-step-{step}-{secrets.token_hex(4)}"
             try:
-                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except pickle.UnpicklingError:
-                raise UsageError(
-                    f"refusing to load {path}: it holds objects that loading would have to run "
-                    "code for (checkpoints load with weights_only=True)"
-                ) from None
-            except Exception as error:
-                log.warning("damaged checkpoint skipped", checkpoint=str(path), error=str(error))
+                tmp.mkdir()
+            except FileExistsError:
                 continue
-            return str(path)
-        return None
+            return tmp
 
-    def _committed(self) -> list[Path]:
-        return sorted(self.folder.glob("step-*.pt"))
+    def _put(self, where: Path, name: str, obj: Mapping[str, Any]) -> FileRecord:
+        return _write(where / name, obj)
+
+    def _get(self, where: Path, name: str) -> dict[str, Any]:
+        return _read(where / name)
+
+    def _checksum(self, where: Path, name: str) -> FileRecord:
+        with open(where / name, "rb") as file:
+            return checksum(file)
+
+    def _discard(self, staged: Path) -> None:
+        shutil.rmtree(staged, ignore_errors=True)
+
+    def _verify(self, staged: Path, files: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        """Every rank's file is there (a rank's file missing: the folder is not shared); the
+        files no rank recorded are read back for their records."""
+        for rank in range(self.ctx.world_size):
+            name = rank_file(rank)
+            if not (staged / name).is_file():
+                raise CheckpointError(
+                    f"{staged / name} is missing although rank {rank} wrote it: is "
+                    f"{self.folder} on a filesystem every rank shares?"
+                )
+        files = dict(files)
+        for path in sorted(staged.rglob("*")):
+            name = path.relative_to(staged).as_posix()
+            if path.is_file() and name not in files:
+                files[name] = self._checksum(staged, name)
+        return files
+
+    def _write_manifest(self, staged: Path, text: str) -> None:
+        _write_new(staged / COMMIT_FILE, text)
+        fsync_dir(staged)
+
+    def _publish(self, staged: Path, step: int) -> Path:
+        final = self._named(f"step-{step}")
+        if final.exists():
+            # Saving a step again (after resuming): the new checkpoint replaces the old.
+            _remove(final, self.folder)
+        os.rename(staged, final)
+        fsync_dir(self.folder)
+        return final
+
+    def _point_latest(self, name: str) -> None:
+        write_atomically(self.folder / LATEST_FILE, name + "\n")
+
+    def _read_latest(self) -> str | None:
+        try:
+            return (self.folder / LATEST_FILE).read_text()
+        except FileNotFoundError:
+            return None
+
+    def _listed(self) -> dict[str, Path]:
+        self._refuse_one_file_layout()
+        return {path.name: path for path in self.folder.glob("step-*") if path.is_dir()}
+
+    def _read_manifest(self, where: Path) -> str | None:
+        try:
+            return (where / COMMIT_FILE).read_text()
+        except FileNotFoundError:
+            return None
+
+    def _remove(self, where: Path) -> None:
+        _remove(where, self.folder)
+
+    def _named(self, name: str) -> Path:
+        return self.folder / name
+
+    def _location_of(self, where: Path) -> str:
+        return str(where)
+
+    def _refuse_one_file_layout(self) -> None:
+        """Refuse the folder of a run that earlier versions' ``simple`` backend saved in."""
+        old = next(self.folder.glob("step-*.pt"), None)
+        if old is not None:
+            raise CheckpointError(
+                f"{old} is a checkpoint in the one-file layout of an earlier ups-dist-core, "
+                "which this version neither loads nor saves beside: move it away, or resume "
+                "with that version"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def _write(path: Path, obj: Mapping[str, Any]) -> FileRecord:
+    """Save ``obj`` into a new file and fsync it."""
+    with open(path, "xb") as file:
+        record = dump(dict(obj), file)
+        file.flush()
+        os.fsync(file.fileno())
+    return record
+
+
+def _read(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as file:
+        return load(file, str(path))
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write ``text`` durably into a file that must not exist yet."""
+    with open(path, "x") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    fsync_dir(path.parent)
+
+
+def _remove(path: Path, folder: Path) -> None:
+    """Delete a checkpoint folder: first rename it out of sight, so it never looks committed
+    while half deleted."""
+    trash = folder / f".trash-{path.name}-{secrets.token_hex(4)}"
+    os.rename(path, trash)
+    shutil.rmtree(trash)

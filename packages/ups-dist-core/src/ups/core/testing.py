@@ -241,6 +241,17 @@ def _child(
         queue.put((rank, False, traceback.format_exc()))
 
 
+def read_checkpoint(location: str | os.PathLike[str]) -> dict[str, Any]:
+    """A committed checkpoint folder's files, read as they are (``weights_only``, not verified):
+    ``{"state": <state.pt>, "ranks": [<rank-0.pt>, <rank-1.pt>, ...]}``."""
+    folder = Path(location)
+    ranks = sorted(folder.glob("rank-*.pt"), key=lambda path: int(path.stem.split("-")[1]))
+    return {
+        "state": torch.load(folder / "state.pt", weights_only=True),
+        "ranks": [torch.load(path, weights_only=True) for path in ranks],
+    }
+
+
 def assert_bitwise_equal(found: Any, expected: Any, where: str = "state") -> None:
     """Assert that two states are equal to the bit: the same container types and keys, and
     tensors of the same dtype, shape and bytes (so NaN equals NaN, and -0.0 differs from 0.0).

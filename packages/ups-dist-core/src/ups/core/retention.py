@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import structlog
 
-from .errors import describe
+from .checkpoint_errors import describe
 
 log = structlog.get_logger()
+
+L = TypeVar("L")
+"""Where a storage keeps a checkpoint: a folder's path, a prefix's name."""
 
 
 def expired(
@@ -39,8 +43,8 @@ def expired(
 
 
 def prune(
-    committed: Mapping[int, str],
-    remove: Callable[[str], None],
+    committed: Mapping[int, L],
+    remove: Callable[[L], None],
     *,
     keep_last: int | None,
     keep_every: int | None,
@@ -56,8 +60,8 @@ def prune(
         except Exception as error:  # the next save tries again
             log.warning(
                 "could not delete an old checkpoint",
-                checkpoint=committed[step],
+                checkpoint=str(committed[step]),
                 error=describe(error),
             )
         else:
-            log.debug("old checkpoint deleted", checkpoint=committed[step])
+            log.debug("old checkpoint deleted", checkpoint=str(committed[step]))

@@ -5,7 +5,7 @@ file) and returns the size and CRC-32 the manifest records. torch's own per-reco
 its zip format is turned off while it writes: the whole-file CRC-32 replaces it, computed by
 zlib at several GB/s, which makes a save as fast as a bare ``torch.save``'s. :func:`load`
 always uses ``weights_only=True``; a file that would run code raises
-:class:`~ups.ckpt.errors.UnsafeCheckpointError` naming it.
+:class:`~ups.core.UnsafeCheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.serialization import config as serialization_config
 
-from ups.core import RunContext
-
-from .errors import CheckpointError, UnsafeCheckpointError, agree
+from .checkpoint_errors import CheckpointError, UnsafeCheckpointError, agree
+from .context import RunContext
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer

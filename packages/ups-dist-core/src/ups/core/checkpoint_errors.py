@@ -7,7 +7,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from ups.core import RankFailedError, RunContext, decide, gather_failures
+from .collectives import RankFailedError, decide, gather_failures
+from .context import RunContext
 
 T = TypeVar("T")
 
