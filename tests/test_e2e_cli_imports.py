@@ -114,15 +114,7 @@ def test_every_distribution_and_plugin_is_installed() -> None:
     [
         pytest.param(["--help"], id="help"),
         pytest.param(["plugins"], id="plugins"),
-        pytest.param(
-            ["validate", "lazy.yaml"],
-            id="validate",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the options class of the default checkpoint backend, 'simple', is "
-                "in ups.core.simple_checkpoint, which imports torch (to move: issue 18, item 8)",
-            ),
-        ),
+        pytest.param(["validate", "lazy.yaml"], id="validate"),
         pytest.param(["launch", "run.yaml", "--launcher", "local", "--dry-run"], id="dry-run"),
         pytest.param(["status", "runs/run"], id="status"),
         pytest.param(["logs", "runs/run"], id="logs"),

@@ -15,6 +15,7 @@ from .lazy import imported, lazy_exports
 from .structure import above, at_least, structure  # eager: ``structure`` is a module's name too
 
 if TYPE_CHECKING:
+    from .builtins import SimpleCheckpointOptions
     from .checkpoint_errors import CheckpointError, UnsafeCheckpointError
     from .cli import EXIT_PREEMPTED
     from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from .report import read_metrics, write_report
     from .retention import expired
     from .serialize import FileRecord, checksum, dump, load
-    from .simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
+    from .simple_checkpoint import SimpleCheckpointer
     from .step import Step, StepError
     from .watchdog import Watchdog
 
@@ -120,7 +121,7 @@ _EXPORTS = {
     "checksum": ".serialize",
     "dump": ".serialize",
     "load": ".serialize",
-    "SimpleCheckpointOptions": ".simple_checkpoint",
+    "SimpleCheckpointOptions": ".builtins",
     "SimpleCheckpointer": ".simple_checkpoint",
     "Manifest": ".manifest",
     "Step": ".step",

@@ -15,12 +15,24 @@ import attrs
 from .lazy import imported
 from .markers import hookimpl_default
 from .records import CheckpointBackendPlugin, CommHookPlugin, SamplerPlugin
+from .structure import at_least
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DistributedSampler
 
     from .context import RunContext
+
+
+@attrs.frozen(kw_only=True)
+class SimpleCheckpointOptions:
+    """Options of the ``simple`` backend."""
+
+    keep_last: int | None = attrs.field(default=2, validator=at_least(1))
+    """How many of the newest committed checkpoints to keep; older ones are deleted after a
+    save commits (``null``: keep all). The checkpoint ``latest`` names is never deleted."""
+    keep_every: int | None = attrs.field(default=None, validator=at_least(1))
+    """Also keep every checkpoint whose step is a multiple of this (``null``: none kept for it)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -94,7 +106,7 @@ def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
         CheckpointBackendPlugin(
             name="simple",
             factory=imported("ups.core.simple_checkpoint:SimpleCheckpointer"),
-            options=imported("ups.core.simple_checkpoint:SimpleCheckpointOptions"),
+            options=SimpleCheckpointOptions,
             description="one torch.save file per checkpoint, written atomically by rank 0",
         )
     ]

@@ -28,29 +28,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch.distributed as dist
 
+from .builtins import SimpleCheckpointOptions
 from .checkpoint_errors import CheckpointError
 from .commit import COMMIT_FILE, LATEST_FILE, Committing, rank_file
 from .context import RunContext
 from .files import fsync_dir, write_atomically
 from .serialize import FileRecord, checksum, dump, load
-from .structure import at_least
 
 CHECKPOINTS = "checkpoints"
 """The folder, inside the run's folder, that holds the checkpoints."""
-
-
-@attrs.frozen(kw_only=True)
-class SimpleCheckpointOptions:
-    """Options of the ``simple`` backend."""
-
-    keep_last: int | None = attrs.field(default=2, validator=at_least(1))
-    """How many of the newest committed checkpoints to keep; older ones are deleted after a
-    save commits (``null``: keep all). The checkpoint ``latest`` names is never deleted."""
-    keep_every: int | None = attrs.field(default=None, validator=at_least(1))
-    """Also keep every checkpoint whose step is a multiple of this (``null``: none kept for it)."""
 
 
 class SimpleCheckpointer(Committing[Path]):
