@@ -9,7 +9,7 @@ collective, is then killed, as a launcher would. A fresh group of two ranks, and
 process, must then load exactly the checkpoint the stage allows, bit for bit, and the next
 save must succeed and sweep what the crash left.
 
-The ranks are forked from a ``forkserver`` that has imported torch once, so that each group
+The ranks are forked from ups's forkserver, which has imported torch once, so that each group
 starts in a fraction of a second; their functions are module-level for it.
 """
 
@@ -38,6 +38,7 @@ import ups.core.files
 import ups.core.simple_checkpoint
 from ups.ckpt import CheckpointError, LocalCheckpointer, LocalCheckpointOptions
 from ups.core import RunContext, distributed_session
+from ups.core.forkserver import start_method
 from ups.core.testing import assert_bitwise_equal, free_port, torchrun_env
 
 OPTIONS = LocalCheckpointOptions(keep_last=2)
@@ -77,12 +78,10 @@ def listing(folder: Path) -> list[str]:
 # Ranks forked from a forkserver
 
 
-FORKSERVER = multiprocessing.get_context("forkserver")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _forkserver_with_torch() -> None:
-    FORKSERVER.set_forkserver_preload(["torch", "ups.ckpt.local", "ups.core.simple_checkpoint"])
+def _context() -> Any:
+    """ups's forkserver (``ups.core.forkserver``), as ``run_ranks`` uses: one per process, so
+    a forkserver of this module's own would leave every later test spawning its ranks."""
+    return multiprocessing.get_context(start_method())
 
 
 def _rank_main(
@@ -97,10 +96,11 @@ def _rank_main(
 
 
 def _start(fn: Callable[..., Any], world_size: int, *args: Any) -> tuple[list[Any], Any]:
-    queue = FORKSERVER.Queue()
+    context = _context()
+    queue = context.Queue()
     port = free_port()
     procs = [
-        FORKSERVER.Process(target=_rank_main, args=(fn, rank, world_size, port, args, queue))
+        context.Process(target=_rank_main, args=(fn, rank, world_size, port, args, queue))
         for rank in range(world_size)
     ]
     for proc in procs:
