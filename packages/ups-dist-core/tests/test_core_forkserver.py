@@ -1,4 +1,4 @@
-"""Ranks forked from ups's forkserver, which imported torch and the engine once: in the
+"""Ranks forked from ups's forkserver, which imported torch once: in the
 launcher's environment at the launch, not at the forkserver's start, with the agent's variables
 on top."""
 

@@ -27,9 +27,9 @@ from .errors import UsageError
 CHOICE = "UPS_START_METHOD"
 """The environment variable that chooses: ``forkserver`` (the default) or ``spawn``, every rank a
 fresh interpreter, as torch's launchers start them."""
-PRELOAD = ["ups.core.forkserver", "ups.core.engine", "torch._dynamo"]
-"""What the forkserver imports before it forks a rank: the engine (and with it torch) and what
-DDP imports on construction."""
+PRELOAD = ["ups.core.forkserver", "torch", "torch.distributed", "torch._dynamo"]
+"""What the forkserver imports before it forks a rank: torch, and what DDP imports on
+construction. Not the engine: a rank that runs a loop of its own never imports it."""
 
 _IMPORTED_BY = os.getpid()
 _ENVIRONMENT = dict(os.environ)
