@@ -24,6 +24,7 @@ import torch
 import yaml
 from torch.utils.data import TensorDataset
 
+from .commit import STATE_FILE, rank_file
 from .context import distributed_session
 from .forkserver import restore_environment, start_method
 from .launch import free_port
@@ -245,11 +246,10 @@ def read_checkpoint(location: str | os.PathLike[str]) -> dict[str, Any]:
     """A committed checkpoint folder's files, read as they are (``weights_only``, not verified):
     ``{"state": <state.pt>, "ranks": [<rank-0.pt>, <rank-1.pt>, ...]}``."""
     folder = Path(location)
-    ranks = sorted(folder.glob("rank-*.pt"), key=lambda path: int(path.stem.split("-")[1]))
-    return {
-        "state": torch.load(folder / "state.pt", weights_only=True),
-        "ranks": [torch.load(path, weights_only=True) for path in ranks],
-    }
+    ranks: list[Any] = []
+    while (path := folder / rank_file(len(ranks))).is_file():
+        ranks.append(torch.load(path, weights_only=True))
+    return {"state": torch.load(folder / STATE_FILE, weights_only=True), "ranks": ranks}
 
 
 def assert_bitwise_equal(found: Any, expected: Any, where: str = "state") -> None:
