@@ -246,3 +246,49 @@ def test_a_collective_entered_by_one_rank_is_one_line_per_rank_naming_it(tmp_pat
     stuck = [e for e in events(logs / "rank0.jsonl") if e["event"] == "ranks stopped answering"]
     assert stuck[0]["error"] == verdict.removeprefix("HangError: ")
     assert "dist.barrier()" in stuck[0]["stack"]  # where rank 0 waits, in the user's code
+
+
+STUCK_EVAL_DATA = """
+import os
+import time
+
+import torch
+from torch.utils.data import TensorDataset
+
+
+class Stuck:
+    \"\"\"16 samples of the tiny data; rank 0 never returns one (as a stuck loader worker).\"\"\"
+
+    def __init__(self):
+        x = torch.randn(16, 4)
+        self.data = TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        while os.environ["RANK"] == "0":
+            time.sleep(1)
+        return self.data[index]
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_reading_the_last_evaluation_is_named(tmp_path: Path) -> None:
+    (tmp_path / "stuck.py").write_text(STUCK_EVAL_DATA)
+    config = tiny_project(
+        tmp_path,
+        eval={"factory": "stuck.py:Stuck"},
+        distributed={"timeout_s": 2},
+    )
+    run = run_ups("train", str(config), "--nproc", "2", timeout=60)
+    assert run.returncode == 1
+    verdict = (
+        "HangError: rank 0 stopped answering: no progress for 2 s (distributed.timeout_s); "
+        "rank 0 is at the end of step 4, while rank 1 waited in the evaluation after step 4"
+    )
+    failed = [line for line in run.stderr.splitlines() if line.startswith("ups: rank")]
+    assert len(failed) == 2 and all(verdict in line for line in failed), run.stderr[-3000:]
+    logs = tmp_path / "runs" / "tiny" / "logs"
+    stuck = [e for e in events(logs / "rank0.jsonl") if e["event"] == "ranks stopped answering"]
+    assert "time.sleep(1)" in stuck[0]["stack"]  # where rank 0 is: reading the data

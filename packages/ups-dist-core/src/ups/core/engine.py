@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -49,7 +50,7 @@ from .step import build_step
 from .stepping import Forward, Stepper
 from .user_metrics import UserMetrics
 from .validate import check_loader, select_sampler
-from .watchdog import FORWARD, FORWARD_DONE, Watchdog
+from .watchdog import EVALUATING, FORWARD, FORWARD_DONE, Watchdog
 
 log = structlog.get_logger()
 
@@ -183,8 +184,15 @@ class Run:
             watchdog=self.watchdog,
         )
         stepper, watchdog = self.stepper, self.watchdog
-        self.model.register_forward_pre_hook(lambda *_: watchdog.mark(stepper.attempts, FORWARD))
-        self.model.register_forward_hook(lambda *_: watchdog.mark(stepper.attempts, FORWARD_DONE))
+
+        def phase(training: int) -> Callable[..., None]:
+            """A hook marking the forward ``training`` reached, or an evaluation's."""
+            return lambda module, *_: watchdog.mark(
+                stepper.attempts, training if module.training else EVALUATING
+            )
+
+        self.model.register_forward_pre_hook(phase(FORWARD))
+        self.model.register_forward_hook(phase(FORWARD_DONE))
         faults = FaultInjector(ctx.rank, restart_count=self.restarted)
         if faults:  # in the model's forward: inside DDP's, after its own collectives
             self.model.register_forward_pre_hook(lambda *_: faults.check(stepper.attempts))
@@ -271,11 +279,12 @@ class Run:
         if self.step % self.config.run.log_every:
             reporter.start(self.step, self.position.epoch, self._extra)
         reporter.finish(self.step)
-        if self.eval_loader is not None and self.evaluated_at != self.step and not preempted:
-            self._evaluate()
-        if self._saved_at != self.step:
-            self._checkpoint()
-        self.checkpointer.wait()
+        with self.watchdog:  # a rank stuck in the last evaluation or save is named too
+            if self.eval_loader is not None and self.evaluated_at != self.step and not preempted:
+                self._evaluate()
+            if self._saved_at != self.step:
+                self._checkpoint()
+            self.checkpointer.wait()
         if preempted:
             reporter.files.preempted(self.step)
         losses = tuple(r["loss"] for r in reporter.reports)

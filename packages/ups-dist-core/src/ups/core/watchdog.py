@@ -1,16 +1,17 @@
-"""The step watchdog: a rank that stops answering inside a training step is named, and every
-rank stops, within ``distributed.timeout_s`` and a grace.
+"""The step watchdog: a rank that stops answering inside a training step (or an evaluation) is
+named, and every rank stops, within ``distributed.timeout_s`` and a grace.
 
 A collective whose peer never comes fails after its timeout with a message that names no rank
 (gloo: "Timed out waiting ... for recv"; NCCL's watchdog aborts the process), or never fails at
 all. So each rank marks its progress through a step (started, forward begun, forward done,
-backward begun, step done: a tuple of two ints, no I/O; and the config key of the user code it
-is in, where the engine knows it), and a thread of its own notices when the mark has not moved
-for ``timeout_s``. It then posts the mark, with the ``torch.distributed`` collective the rank's
-training thread waits in (read from that thread's stack), to the job's key-value store (the
-process group's TCPStore, which works under every backend) and waits, up to half of the grace
-(:func:`~ups.core.context.collective_timeout`), for the other ranks' posts, made by their own
-watchdogs, which look for such a request once a poll (one store lookup a second):
+backward begun, step done, in the evaluation after it: a tuple of two ints, no I/O; and the
+config key of the user code it is in, where the engine knows it), and a thread of its own
+notices when the mark has not moved for ``timeout_s``. It then posts the mark, with the
+``torch.distributed`` collective the rank's training thread waits in (read from that thread's
+stack), to the job's key-value store (the process group's TCPStore, which works under every
+backend) and waits, up to half of the grace (:func:`~ups.core.context.collective_timeout`), for
+the other ranks' posts, made by their own watchdogs, which look for such a request once a poll
+(one store lookup a second):
 
 - ranks whose mark is behind the others' (still in the forward pass while the others wait in
   the backward's all-reduce; or waiting in a collective, such as a ``barrier`` in a metrics
@@ -51,8 +52,8 @@ log = structlog.get_logger()
 
 Mark = tuple[int, int]
 """Where a rank is: ``(attempted step, phase)``; later marks compare greater."""
-STARTED, FORWARD, FORWARD_DONE, BACKWARD, DONE = range(5)
-"""The phases of a step."""
+STARTED, FORWARD, FORWARD_DONE, BACKWARD, DONE, EVALUATING = range(6)
+"""The phases of a step; ``EVALUATING``: a forward pass of the evaluation after it."""
 ASKED = "asked"
 """The key a stalled rank sets: every rank's watchdog then posts its mark, stalled or not."""
 PHASES = (
@@ -61,6 +62,7 @@ PHASES = (
     "after the forward pass of",
     "in the backward pass of",
     "at the end of",
+    "in the evaluation after",
 )
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 
@@ -151,8 +153,8 @@ def waiting_in(frame: FrameType | None) -> str | None:
 
 
 class Watchdog:
-    """Watches this rank's progress through the steps while entered (distributed runs only):
-    the thread that enters it is the one watched.
+    """Watches this rank's progress through the steps while entered (distributed runs only;
+    it may be entered again once left): the thread that enters it is the one watched.
 
     ``key`` tells this run's marks from another's in the store (the same on every rank; by
     default the launcher's restart count, which torchrun gives every rank alike). In a loop of
@@ -188,6 +190,7 @@ class Watchdog:
 
     def __enter__(self) -> Watchdog:
         if self.ctx.distributed:
+            self._stop.clear()
             self._moved = time.monotonic()
             self._watched = threading.get_ident()
             self._thread = threading.Thread(target=self._watch, name="ups-watchdog", daemon=True)
