@@ -186,7 +186,8 @@ class Run:
         stepper, watchdog = self.stepper, self.watchdog
 
         def phase(training: int) -> Callable[..., None]:
-            """A hook marking the forward ``training`` reached, or an evaluation's."""
+            """A forward hook marking the phase ``training`` of a step, or, in eval mode, the
+            evaluation after it."""
             return lambda module, *_: watchdog.mark(
                 stepper.attempts, training if module.training else EVALUATING
             )
@@ -267,19 +268,18 @@ class Run:
         self.ddp.train()
         reporter = self.reporter
         reporter.restart_clock(self.step)
-        with (
-            self.profiler or contextlib.nullcontext(),
-            Progress(ctx, self._total_steps()) as bar,
-            self.preemption,
-            self.watchdog,
-        ):
-            reporter.progress = bar
-            self._loop()
-        preempted = self.preemption.stopped
-        if self.step % self.config.run.log_every:
-            reporter.start(self.step, self.position.epoch, self._extra)
-        reporter.finish(self.step)
-        with self.watchdog:  # a rank stuck in the last evaluation or save is named too
+        with self.watchdog:  # the loop, then the last evaluation and save: a stuck rank is named
+            with (
+                self.profiler or contextlib.nullcontext(),
+                Progress(ctx, self._total_steps()) as bar,
+                self.preemption,
+            ):
+                reporter.progress = bar
+                self._loop()
+            preempted = self.preemption.stopped
+            if self.step % self.config.run.log_every:
+                reporter.start(self.step, self.position.epoch, self._extra)
+            reporter.finish(self.step)
             if self.eval_loader is not None and self.evaluated_at != self.step and not preempted:
                 self._evaluate()
             if self._saved_at != self.step:

@@ -153,8 +153,8 @@ def waiting_in(frame: FrameType | None) -> str | None:
 
 
 class Watchdog:
-    """Watches this rank's progress through the steps while entered (distributed runs only;
-    it may be entered again once left): the thread that enters it is the one watched.
+    """Watches this rank's progress through the steps while entered (distributed runs only):
+    the thread that enters it is the one watched.
 
     ``key`` tells this run's marks from another's in the store (the same on every rank; by
     default the launcher's restart count, which torchrun gives every rank alike). In a loop of
@@ -190,7 +190,6 @@ class Watchdog:
 
     def __enter__(self) -> Watchdog:
         if self.ctx.distributed:
-            self._stop.clear()
             self._moved = time.monotonic()
             self._watched = threading.get_ident()
             self._thread = threading.Thread(target=self._watch, name="ups-watchdog", daemon=True)
