@@ -84,6 +84,8 @@ def ups_samplers() -> list[SamplerPlugin]:
             name="torch",
             factory=torch_sampler,
             options=TorchSamplerOptions,
+            even=True,
+            world_invariant=True,
             description="torch.utils.data.DistributedSampler",
         ),
         SamplerPlugin(

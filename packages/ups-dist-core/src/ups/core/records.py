@@ -85,6 +85,17 @@ class SamplerPlugin(PluginRecord):
     """Whether it gives every sample to exactly one rank, none padded, so that the ranks'
     shares may differ in length: an evaluation sampler (``eval.sampler``), not a training one
     (DDP needs every rank to take the same number of steps)."""
+    even: bool = False
+    """Whether every rank gets the same number of samples in an epoch, the last batch included
+    (padding or dropping to a multiple of the world size, as torch's ``DistributedSampler``
+    does). The engine then knows a step's sample count over all ranks without a collective;
+    otherwise it sums the ranks' counts once per optimizer step, so that every sample of the
+    step weighs the same whatever its rank."""
+    world_invariant: bool = False
+    """Whether the samples of global step ``t`` at ``W`` ranks of batch ``b`` are the samples
+    of step ``t`` at one process of batch ``W·b`` (their order within a rank's batch, and the
+    padding at an epoch's end, aside): then ``W`` ranks train exactly as one process does.
+    ``ups validate`` warns when the chosen training sampler does not declare it."""
 
 
 # ---------------------------------------------------------------------------------------------

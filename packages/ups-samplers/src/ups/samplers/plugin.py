@@ -15,6 +15,8 @@ def ups_samplers() -> list[SamplerPlugin]:
             name="tensor",
             factory=imported("ups.samplers._tensor:tensor_sampler"),
             options=imported("ups.samplers._tensor:TensorSamplerOptions"),
+            even=True,
+            world_invariant=True,
             description="DistributedSampler's indices, kept in int32 tensors, resumable",
         ),
         SamplerPlugin(
@@ -22,6 +24,8 @@ def ups_samplers() -> list[SamplerPlugin]:
             factory=imported("ups.samplers._multitask:multitask_sampler"),
             options=imported("ups.samplers._multitask:MultiTaskSamplerOptions"),
             multi_task=True,
+            even=True,
+            world_invariant=True,
             description="tasks mixed balanced/proportional/temperature/weights, even per rank",
         ),
         SamplerPlugin(
