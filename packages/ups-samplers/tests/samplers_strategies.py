@@ -71,6 +71,8 @@ class TaskCase:
     epoch_size: Literal["sum", "max"] | int
     shuffle: bool
     drop_last: bool
+    batch_size: int = 1
+    """Each rank's batch: the multitask sampler deals its stream in blocks of ``W x batch``."""
 
     @property
     def offsets(self) -> list[int]:
@@ -131,6 +133,7 @@ def task_cases(
         epoch_size=epoch_size,
         shuffle=draw(st.booleans()),
         drop_last=draw(st.booleans()),
+        batch_size=draw(st.integers(1, 6)),
     )
 
 
@@ -150,6 +153,7 @@ def multitask(
         shuffle=case.shuffle,
         seed=case.seed,
         drop_last=case.drop_last,
+        batch_size=case.batch_size,
         chunk_size=chunk_size,
     )
     sampler.set_epoch(case.epoch)
@@ -177,6 +181,9 @@ class Setup:
 
     @property
     def drop_last(self) -> bool:
+        """Whether the sampler drops its epoch's tail (``max`` epochs never do)."""
+        if isinstance(self.case, TaskCase) and self.case.epoch_size == "max":
+            return False
         return self.kind != "exact" and self.case.drop_last
 
     def build(

@@ -117,4 +117,5 @@ def test_the_example_trains_with_the_multitask_and_exact_samplers(tmp_path: Path
     assert result.checkpoint is not None
     state = read_checkpoint(result.checkpoint)["state"]["sampler"]
     assert state["sampler"] == "MultiTaskDistributedSampler"
-    assert (state["epoch"], state["segments"], state["length"]) == (0, [[2, 24]], 60)
+    # (world size, samples taken per rank, the batch its blocks are dealt in)
+    assert (state["epoch"], state["segments"], state["length"]) == (0, [[2, 24, 6]], 60)

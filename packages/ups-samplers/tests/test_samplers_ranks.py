@@ -45,7 +45,7 @@ def draw_on_this_rank(ctx: RunContext, epoch: int) -> dict[str, Any]:
     assert (ctx.rank, ctx.world_size) == (dist.get_rank(), dist.get_world_size())
     multitask = []
     for options in MIXINGS:
-        sampler = MultiTaskDistributedSampler(SIZES, seed=11, **options)
+        sampler = MultiTaskDistributedSampler(SIZES, seed=11, batch_size=BATCH, **options)
         sampler.set_epoch(epoch)
         assert (sampler.rank, sampler.num_replicas) == (ctx.rank, ctx.world_size)
         multitask.append(
@@ -63,6 +63,7 @@ def draw_on_this_rank(ctx: RunContext, epoch: int) -> dict[str, Any]:
 
 
 OFFSETS = [0, 37, 42, 162]
+BATCH = 4
 
 
 def task_of(index: int) -> int:
@@ -75,7 +76,8 @@ def task_of(index: int) -> int:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_ranks_of_a_process_group_partition_the_epoch(world_size: int) -> None:
     """seed 001's validate_distributed_sampling, as a test: every rank builds its sampler from
-    the process group, and what the ranks drew, gathered, is the epoch, dealt evenly."""
+    the process group, and what the ranks drew, gathered, is the epoch one process draws,
+    batch for global batch, every task dealt evenly in each."""
     epoch = 0
     results = run_ranks(draw_on_this_rank, world_size, epoch)
     # Every rank gathered the same thing: what each rank drew.
@@ -85,29 +87,36 @@ def test_the_ranks_of_a_process_group_partition_the_epoch(world_size: int) -> No
     for options, drawn in zip(MIXINGS, result["multitask"], strict=True):
         shares = drawn["indices"]
         for rank, share in enumerate(shares):
-            sampler = MultiTaskDistributedSampler(SIZES, world_size, rank, seed=11, **options)
+            sampler = MultiTaskDistributedSampler(
+                SIZES, world_size, rank, seed=11, batch_size=BATCH, **options
+            )
             sampler.set_epoch(epoch)
             assert share == list(sampler)
         counts = drawn["counts"]
         assert [len(share) for share in shares] == [drawn["len"]] * world_size
-        assert drawn["len"] * world_size == sum(counts)
-        union = Counter(task_of(i) for share in shares for i in share)
-        assert [union[t] for t in range(len(SIZES))] == counts
-        for share in shares:
-            mine = Counter(task_of(i) for i in share)
-            assert all(abs(mine[t] - c / world_size) < 1 for t, c in enumerate(counts))
-        # Epoch 0 reads each task's stream from its start, as many as on one rank (w): its
-        # samples, each as often as the others, give or take one, but for the padding to the
-        # world (c - w repeats); within one pass over a task, none twice.
-        alone = MultiTaskDistributedSampler(SIZES, 1, 0, seed=11, **options).counts()
+        assert abs(drawn["len"] * world_size - sum(counts)) < world_size  # padded or dropped
+        alone = list(MultiTaskDistributedSampler(SIZES, 1, 0, seed=11, **options))
+        union = Counter(i for share in shares for i in share)
+        assert (union - Counter(alone)).total() + (Counter(alone) - union).total() < world_size
+        # Global batch t of the ranks is batch t of one process of world_size x BATCH, and
+        # each rank holds every task's count in it over the ranks, within one.
+        block = world_size * BATCH
+        for t in range(sum(counts) // block):
+            batches = [share[t * BATCH : (t + 1) * BATCH] for share in shares]
+            assert Counter(i for batch in batches for i in batch) == Counter(
+                alone[t * block : (t + 1) * block]
+            )
+            together = Counter(task_of(i) for batch in batches for i in batch)
+            for batch in batches:
+                mine = Counter(task_of(i) for i in batch)
+                assert all(abs(mine[k] - c / world_size) < 1 for k, c in together.items())
+        # Epoch 0 reads each task's stream from its start: its samples, each as often as
+        # the others, give or take one; within one pass over a task, none twice.
+        times_alone = Counter(alone)
         for t, (start, size) in enumerate(zip(OFFSETS, SIZES, strict=True)):
-            times = Counter(i for share in shares for i in share if task_of(i) == t)
-            assert set(times) <= set(range(start, start + size))
-            assert times.total() == counts[t]
-            q, r = divmod(min(counts[t], alone[t]), size)
-            assert all(times[i] >= q for i in range(start, start + size))
-            padding = max(0, counts[t] - alone[t])
-            assert sum(max(0, n - q - bool(r)) for n in times.values()) <= padding
+            times = [times_alone[i] for i in range(start, start + size)]
+            assert sum(times) == counts[t]
+            assert max(times) - min(times) <= 1
     total = sum(SIZES)
     tensor = result["tensor"]
     assert len({len(share) for share in tensor}) == 1

@@ -434,6 +434,7 @@ class Run:
             device=self.ctx.device,
             seed=self.config.run.seed,
             rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
         )
 
     def _maybe_evaluate(self) -> float | None:

@@ -9,10 +9,12 @@ Two things make that so:
   sampler, keeps the sampler's state as it was after each batch it drew; the engine takes them
   in order as it consumes batches (:meth:`Epoch.__next__`), so a checkpoint holds the state of
   the last batch a step took. Any sampler with ``state_dict`` gets this, not only ups's.
-- **Data-side randomness is seeded per batch,** from ``(run.seed, rank, epoch, batch)``, in the
-  worker that reads it (or, without workers, around the read, the training RNG untouched):
-  a random transform in ``__getitem__`` draws the same numbers whatever ``num_workers``,
-  whether the workers persist, and after a resume mid-epoch.
+- **Data-side randomness is seeded per sample,** from ``(run.seed, epoch, place)``, the
+  sample's place in the epoch (:func:`places`: from the sampler, for one whose global stream
+  does not depend on the world size, as ups's samplers' and torch's do), in the worker that
+  reads it (or, without workers, around the read, the training RNG untouched): a random
+  transform in ``__getitem__`` draws the same numbers whatever ``num_workers``, whether the
+  workers persist, after a resume mid-epoch, and on any number of ranks.
 """
 
 from __future__ import annotations
@@ -62,24 +64,27 @@ def seed_of(*parts: int) -> int:
 
 
 class SeededBatch(list[int]):
-    """A batch's indices, with the seed its data-side randomness draws from."""
+    """A batch's indices, with the seed each sample's data-side randomness draws from."""
 
-    seed: int = 0
+    seeds: list[int] | None = None
 
 
 class StepBatches(Sampler[list[int]]):
     """The loader's batch sampler: ``batch_size`` indices at a time from ``sampler`` (the last
     batch may be short), each a :class:`SeededBatch`; it keeps the sampler's state after each
-    batch it draws, for :meth:`consumed` to hand out in order.
+    batch it draws, for :meth:`consumed` to hand out in order. A sampler with
+    ``set_batch_size`` is told the batch size before each iteration.
 
     Set :attr:`epoch` and :attr:`first` (batches of the epoch taken before, after a resume)
     and :attr:`skip` (batches to pass over unread, for a sampler without a state) before
     iterating.
     """
 
-    def __init__(self, sampler: Any, batch_size: int, seed: int, rank: int) -> None:
+    def __init__(
+        self, sampler: Any, batch_size: int, seed: int, rank: int, world_size: int
+    ) -> None:
         self.sampler, self.batch_size = sampler, batch_size
-        self.seed, self.rank = seed, rank
+        self.seed, self.rank, self.world_size = seed, rank, world_size
         self.epoch = self.first = self.skip = 0
         self.stateful = callable(getattr(sampler, "state_dict", None))
         self._states: collections.deque[dict[str, Any]] = collections.deque()
@@ -89,17 +94,34 @@ class StepBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         self._states.clear()
+        resize = getattr(self.sampler, "set_batch_size", None)
+        if callable(resize):
+            resize(self.batch_size)
         indices = iter(self.sampler)
+        drawn = 0
         for number in itertools.count(self.first):
             batch = SeededBatch(itertools.islice(indices, self.batch_size))
             if not batch:
                 return
+            drawn += len(batch)
             if number < self.first + self.skip:
                 continue
-            batch.seed = seed_of(self.seed, self.rank, self.epoch, number)
+            where = self._places(drawn - len(batch), number * self.batch_size, len(batch))
+            batch.seeds = [seed_of(self.seed, self.epoch, place) for place in where]
             if self.stateful:
                 self._states.append(self.sampler.state_dict())
             yield batch
+
+    def _places(self, drawn: int, before: int, count: int) -> list[int]:
+        """The places in the epoch of the ``count`` samples of a batch: from the sampler's
+        ``places(first, count)`` when it has one (``drawn``: samples it yielded before the
+        batch in this iteration), else as torch's ``DistributedSampler`` deals, rank ``r`` of
+        ``W`` taking places ``r, r + W, ...`` (``before``: the rank's samples of the epoch
+        before the batch, counting those taken before a resume)."""
+        own = getattr(self.sampler, "places", None)
+        if callable(own):
+            return [int(place) for place in own(drawn, count)]
+        return [(before + i) * self.world_size + self.rank for i in range(count)]
 
     def consumed(self) -> dict[str, Any]:
         """The sampler's state after the oldest batch drawn and not yet consumed; call it once
@@ -121,35 +143,47 @@ class SeededData(Dataset[Any]):
         return self.dataset[index]
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
-        seed = getattr(indices, "seed", None)
-        context = contextlib.nullcontext() if seed is None else _seeded(seed)
-        with context:
+        """The samples at ``indices``, each read with its seed set (a dataset that reads a
+        batch at once, with its own ``__getitems__``, with its first sample's)."""
+        seeds = getattr(indices, "seeds", None)
+        if seeds is None:
+            return self._many(list(indices)) if self._many else [self.dataset[i] for i in indices]
+        with _kept():
             if self._many is not None:
+                _seed(seeds[0])
                 return self._many(list(indices))
-            return [self.dataset[i] for i in indices]
+            samples = []
+            for index, seed in zip(indices, seeds, strict=True):
+                _seed(seed)
+                samples.append(self.dataset[index])
+            return samples
+
+
+def _seed(seed: int) -> None:
+    """Seed torch's CPU generator, Python's and (if imported) NumPy's global generators."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
 
 
 @contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Seed torch's, Python's and (if imported) NumPy's generators; in the main process, put
-    them back afterwards, so reading data leaves the training's randomness as it was."""
+def _kept() -> Iterator[None]:
+    """In the main process, put torch's CPU, Python's and NumPy's generators back afterwards,
+    so reading data leaves the training's randomness as it was (a worker's are its own)."""
+    if get_worker_info() is not None:
+        yield
+        return
     numpy = sys.modules.get("numpy")
-    worker = get_worker_info() is not None
-    saved = None
-    if not worker:
-        saved = (torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state())
-    torch.manual_seed(seed)
-    random.seed(seed)
-    if numpy is not None:
-        numpy.random.seed(seed % 2**32)
+    saved = (torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state())
     try:
         yield
     finally:
-        if saved is not None:
-            torch.set_rng_state(saved[0])
-            random.setstate(saved[1])
-            if numpy is not None:
-                numpy.random.set_state(saved[2])
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        if numpy is not None:
+            numpy.random.set_state(saved[2])
 
 
 class Epoch:
@@ -183,6 +217,7 @@ def data_loader(
     device: torch.device,
     seed: int,
     rank: int,
+    world_size: int,
 ) -> DataLoader[Any]:
     """A loader of ``dataset`` in ``batch_size`` batches from ``sampler``, as ``options``
     (``data.loader``) say: workers, pinned memory (by default when ``device`` is CUDA), the
@@ -199,7 +234,7 @@ def data_loader(
     collate = options.collate and load_object(options.collate, "data.loader.collate")
     return DataLoader(
         SeededData(dataset),
-        batch_sampler=StepBatches(sampler, batch_size, seed, rank),
+        batch_sampler=StepBatches(sampler, batch_size, seed, rank, world_size),
         num_workers=workers,
         collate_fn=collate or None,
         pin_memory=pin and torch.cuda.is_available(),

@@ -7,13 +7,16 @@ without the rest, as ``multitask`` can, draws only those), which it may then reo
 (``_arrange``);
 unless the shares may differ in length, the shortest are padded by wrapping around to the
 pool's start (or, with ``drop_last``, the pool's tail is dropped), as torch's
-``DistributedSampler`` does. Padding always comes last in a share.
+``DistributedSampler`` does. Padding always comes last in a share. A pool may depend on the
+world size and on a *block* (the samples each rank takes per block: ``multitask`` deals its
+epoch in blocks of ``W x batch size``), never on more.
 
-The state of an epoch in progress is the list of ``(world size, samples taken per rank)``
-segments it went through. On as many ranks, resuming slices this rank's share: ``O(1)`` past
-building the epoch. On another number, the samples no rank has taken yet (padding left out)
-become the pool, dealt anew to the new ranks: each is seen once, plus the padding (or less
-the tail, with ``drop_last``) that dealing to the new ranks needs, as ever.
+The state of an epoch in progress is the list of ``(world size, samples taken per rank,
+block)`` segments it went through. On as many ranks and the same block, resuming slices this
+rank's share: ``O(1)`` past building the epoch. Otherwise a sampler may continue the epoch
+from where the ranks stopped (``_continued``); if it cannot, the samples no rank has taken yet
+(padding left out) become the pool, dealt anew to the new ranks: each is seen once, plus the
+padding (or less the tail, with ``drop_last``) that dealing to the new ranks needs, as ever.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
@@ -32,8 +36,23 @@ INT32_MAX = torch.iinfo(torch.int32).max
 Lookup = Callable[[slice], torch.Tensor]
 """A pool's samples at the positions of a slice (``start:stop:step``)."""
 
-Segment = tuple[int, int]
-"""``(world size, samples each rank has taken)``: a stretch of an epoch on one world size."""
+Places = Callable[[torch.Tensor], torch.Tensor]
+"""The places (see :meth:`EpochSampler.places`) of a pool's samples at some positions."""
+
+
+@attrs.frozen
+class Rest:
+    """The pool a world deals: what gives its samples and their places at some positions,
+    and its size."""
+
+    at: Lookup
+    places: Places
+    size: int
+
+
+Segment = tuple[int, int, int]
+"""``(world size, samples each rank has taken, block)``: a stretch of an epoch on one world
+size, dealt in one block."""
 
 
 def index_dtype(size: int) -> torch.dtype:
@@ -95,30 +114,42 @@ class EpochSampler(Sampler[int]):
         self.drop_last = drop_last
         self.chunk_size = chunk_size
         self.epoch = 0
-        self._pending: tuple[list[Segment], int] | None = None
-        self._active: tuple[list[Segment], int, int] | None = None
+        self._pending: list[Segment] | None = None
+        self._active: tuple[list[Segment], int, int, Rest] | None = None
         self._taken_before = 0
         self._chunk: Iterator[int] = iter(())
         self._chunk_len = 0
 
     # -- what subclasses define --------------------------------------------------------------
 
-    def _pool(self, epoch: int, num_replicas: int) -> torch.Tensor:
-        """The epoch's samples, in the order the ranks are dealt them, for ``num_replicas``."""
+    def _pool(self, epoch: int, num_replicas: int, block: int) -> torch.Tensor:
+        """The epoch's samples, in the order the ranks are dealt them, for ``num_replicas``
+        ranks taking ``block`` samples each per block."""
         raise NotImplementedError
 
-    def _lookup(self, epoch: int, num_replicas: int) -> Lookup:
+    def _lookup(self, epoch: int, num_replicas: int, block: int) -> Lookup:
         """What gives the epoch's pool at some positions: by default, the built pool's own
         indexing; a subclass that can draw some positions without the rest overrides it."""
-        return self._pool(epoch, num_replicas).__getitem__
+        return self._pool(epoch, num_replicas, block).__getitem__
+
+    def _block(self) -> int:
+        """The block this sampler deals in now (see the module's text); 1 by default."""
+        return 1
+
+    def _places(self, epoch: int, num_replicas: int, block: int) -> Places:
+        """The places of the epoch's pool at some positions: by default the positions, which
+        do not depend on the world size where the pool does not."""
+        return lambda where: where.to(torch.int64)
+
+    def _continued(self, segments: list[Segment], num_replicas: int, block: int) -> Rest | None:
+        """The rest of the epoch after ``segments``, as a pool for ``num_replicas`` ranks and
+        ``block``, for a sampler that can continue an epoch itself; ``None``: deal what no rank
+        has taken anew (the default)."""
+        return None
 
     def _pool_size(self, num_replicas: int) -> int:
         """``len(self._pool(epoch, num_replicas))``, without building it."""
         raise NotImplementedError
-
-    def _arrange(self, share: torch.Tensor) -> torch.Tensor:
-        """A rank's share of a pool, in the order it is handed out (default: as dealt)."""
-        return share
 
     def _fingerprint(self) -> dict[str, Any]:
         """What decides the epochs, beyond ``seed``: a state loads only into its equal."""
@@ -140,17 +171,21 @@ class EpochSampler(Sampler[int]):
 
     def _share(self, at: Lookup, size: int, num_replicas: int, rank: int) -> torch.Tensor:
         """Rank ``rank``'s share of a pool of ``size`` (its samples at some positions given
-        by ``at``), arranged, padding last."""
-        total = self._total(size, num_replicas)
-        mine = self._arrange(at(slice(rank, min(size, total), num_replicas)))
-        if total <= size:
+        by ``at``), padding last."""
+        mine = at(slice(rank, min(size, self._total(size, num_replicas)), num_replicas))
+        padding = self._padding(size, num_replicas, rank)
+        if padding is None:
             return mine
-        # Padding: positions size..total-1 wrap around to the pool's start. They are fewer
-        # than num_replicas, so this rank gets at most one.
+        return torch.cat((mine, at(slice(padding, padding + 1))))
+
+    def _padding(self, size: int, num_replicas: int, rank: int) -> int | None:
+        """The pool position rank ``rank`` repeats as padding, if it pads: positions
+        ``size .. total - 1`` wrap around to the pool's start, fewer than the ranks, so a rank
+        pads with one sample at most."""
         padding = size + (rank - size) % num_replicas
-        if padding >= total:
-            return mine
-        return torch.cat((mine, at(slice(padding % size, padding % size + 1))))
+        if padding >= self._total(size, num_replicas):
+            return None
+        return padding % size
 
     def _remaining(self, pool: torch.Tensor, num_replicas: int, taken: int) -> torch.Tensor:
         """The samples of ``pool`` that no rank has taken after ``taken`` each (padding left
@@ -168,26 +203,60 @@ class EpochSampler(Sampler[int]):
         left = grid.t().reshape(-1)
         return left[left >= 0].to(pool.dtype)
 
-    def _sequence(self, segments: list[Segment], skip: int) -> torch.Tensor:
-        """This rank's samples for an iteration that resumes after ``segments`` and ``skip``:
-        from the epoch's pool (:meth:`_lookup`), or from what the ranks of earlier segments
-        left of it."""
+    def _split(self, segments: list[Segment]) -> tuple[list[Segment], int]:
+        """``segments`` as the segments before this world's, and what this rank has taken in
+        its own (a last segment of this world size and block), if any."""
+        if segments and segments[-1][0] == self.num_replicas and segments[-1][2] == self._block():
+            return segments[:-1], segments[-1][1]
+        return segments, 0
+
+    def _rest(
+        self, segments: list[Segment], num_replicas: int | None = None, block: int | None = None
+    ) -> Rest:
+        """The pool ``num_replicas`` ranks dealing in ``block`` (default: this world's) deal
+        after ``segments``: the epoch's own, or its continuation, or what the ranks of the last
+        segment left of the pool they dealt (whose places come after every place taken before,
+        so that no two samples of an epoch share one)."""
+        num_replicas = num_replicas or self.num_replicas
+        block = block or self._block()
         if not segments:
-            at = self._lookup(self.epoch, self.num_replicas)
-            size = self._pool_size(self.num_replicas)
-            return self._share(at, size, self.num_replicas, self.rank)[skip:]
-        pool = self._pool(self.epoch, segments[0][0])
-        for size, taken in segments:
-            pool = self._remaining(pool, size, taken)
-        return self._share(pool.__getitem__, len(pool), self.num_replicas, self.rank)[skip:]
+            return Rest(
+                self._lookup(self.epoch, num_replicas, block),
+                self._places(self.epoch, num_replicas, block),
+                self._pool_size(num_replicas),
+            )
+        continued = self._continued(segments, num_replicas, block)
+        if continued is not None:
+            return continued
+        size, taken, dealt_in = segments[-1]
+        dealt = self._rest(segments[:-1], size, dealt_in)
+        pool = self._remaining(dealt.at(slice(None)), size, taken)
+        base = self._pool_size(segments[0][0]) + sum(size * taken for size, taken, _ in segments)
+        return Rest(pool.__getitem__, lambda where: where.to(torch.int64) + base, len(pool))
+
+    def _sequence(self, rest: Rest, skip: int) -> torch.Tensor:
+        """This rank's samples of ``rest``, past the first ``skip``."""
+        return self._share(rest.at, rest.size, self.num_replicas, self.rank)[skip:]
+
+    def _rest_size(
+        self, segments: list[Segment], num_replicas: int | None = None, block: int | None = None
+    ) -> int:
+        """``self._rest(segments, num_replicas, block).size``, by arithmetic alone where no
+        continuation is given."""
+        num_replicas = num_replicas or self.num_replicas
+        block = block or self._block()
+        if not segments:
+            return self._pool_size(num_replicas)
+        continued = self._continued(segments, num_replicas, block)
+        if continued is not None:
+            return continued.size
+        size, taken, dealt_in = segments[-1]
+        dealt = self._rest_size(segments[:-1], size, dealt_in)
+        return sum(max(0, self._real(dealt, size, r) - taken) for r in range(size))
 
     def _length(self, segments: list[Segment], skip: int) -> int:
         """``len(self._sequence(segments, skip))``, by arithmetic alone."""
-        size = self._pool_size(segments[0][0] if segments else self.num_replicas)
-        for num_replicas, taken in segments:
-            size = sum(
-                max(0, self._real(size, num_replicas, r) - taken) for r in range(num_replicas)
-            )
+        size = self._rest_size(segments)
         if self.pad:
             length = self._total(size, self.num_replicas) // self.num_replicas
         else:
@@ -199,14 +268,16 @@ class EpochSampler(Sampler[int]):
     def indices(self) -> torch.Tensor:
         """This rank's indices for the next iteration, in order, as a 1-D integer tensor (the
         rest of the epoch after :meth:`load_state_dict`)."""
-        return self._sequence(*(self._pending or ([], 0)))
+        segments, skip = self._split(self._pending or [])
+        return self._sequence(self._rest(segments), skip)
 
     def __iter__(self) -> Iterator[int]:
         # The epoch's indices are drawn now, as torch's sampler does, not at the first next().
-        segments, skip = self._pending or ([], 0)
+        segments, skip = self._split(self._pending or [])
         self._pending = None
-        sequence = self._sequence(segments, skip)
-        self._active = (segments, skip, len(sequence))
+        rest = self._rest(segments)
+        sequence = self._sequence(rest, skip)
+        self._active = (segments, skip, len(sequence), rest)
         self._taken_before, self._chunk, self._chunk_len = 0, iter(()), 0
         return self._hand_out(sequence)
 
@@ -221,10 +292,28 @@ class EpochSampler(Sampler[int]):
         """Indices this rank's current iteration yields: after :meth:`load_state_dict`, what
         is left of the epoch; otherwise the whole epoch's share."""
         if self._pending is not None:
-            return self._length(*self._pending)
+            return self._length(*self._split(self._pending))
         if self._active is not None:
             return self._active[2]
         return self._length([], 0)
+
+    def places(self, first: int, count: int) -> torch.Tensor:
+        """The places of the ``count`` samples the current iteration yields from its
+        ``first``-th on: a key of each sample's place in the epoch that does not depend on the
+        world size where the sampler's global stream does not (its position in the epoch's
+        pool; a padding sample repeats the place of the sample it repeats). ups's engine seeds
+        each sample's data-side randomness from it.
+
+        :raises RuntimeError: outside an iteration.
+        """
+        if self._active is None:
+            raise RuntimeError("places: no iteration in progress; iterate the sampler first")
+        _, skip, _, rest = self._active
+        share = torch.arange(skip + first, skip + first + count, dtype=torch.int64)
+        real = self._real(rest.size, self.num_replicas, self.rank)
+        padding = self._padding(rest.size, self.num_replicas, self.rank) or 0
+        where = torch.where(share < real, self.rank + share * self.num_replicas, padding)
+        return rest.places(where)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch, which with ``seed`` decides the order when shuffling.
@@ -250,12 +339,10 @@ class EpochSampler(Sampler[int]):
         With a ``DataLoader`` of ``num_workers=0`` the count is exact; worker processes
         prefetch, so save the state of the samples the step actually consumed."""
         if self._pending is not None:
-            segments, skip = self._pending
-            if skip:
-                segments = [*segments, (self.num_replicas, skip)]
+            segments = self._pending
         elif self._active is not None:
-            before, skip, _ = self._active
-            segments = [*before, (self.num_replicas, skip + self._taken())]
+            before, skip, _, _ = self._active
+            segments = [*before, (self.num_replicas, skip + self._taken(), self._block())]
         else:
             segments = []
         return {
@@ -268,8 +355,10 @@ class EpochSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration continues the saved epoch where
-        it stopped, with the same sequence on as many ranks, and with the rest of the epoch
-        dealt anew on another number of ranks (each remaining sample seen once, plus padding).
+        it stopped, with the same sequence on as many ranks (and the same block), and with the
+        rest of the epoch dealt anew on another number of ranks (each remaining sample seen
+        once, plus padding). A segment saved without its block (``[size, taken]``, by an older
+        ups-samplers) was dealt in blocks of one.
 
         :raises ValueError: naming the value, for a state of another sampler, seed or data.
         """
@@ -280,15 +369,14 @@ class EpochSampler(Sampler[int]):
                     f"sampler state: {key} is {state.get(key)!r}, this sampler's is {value!r}; "
                     "load a state into a sampler built as the one that saved it"
                 )
-        segments = [(int(size), int(taken)) for size, taken in state["segments"]]
-        for size, taken in segments:
-            if size < 1 or taken < 0:
-                raise ValueError(f"sampler state: bad segment {[size, taken]} in 'segments'")
-        skip = 0
-        if segments and segments[-1][0] == self.num_replicas:
-            skip = segments.pop()[1]
+        segments = []
+        for segment in state["segments"]:
+            size, taken, block = (*map(int, segment), 1)[:3] if len(segment) in (2, 3) else (0,) * 3
+            if size < 1 or taken < 0 or block < 1:
+                raise ValueError(f"sampler state: bad segment {list(segment)} in 'segments'")
+            segments.append((size, taken, block))
         self.epoch = int(state["epoch"])
-        self._pending = (segments, skip)
+        self._pending = segments
         self._active = None
 
 

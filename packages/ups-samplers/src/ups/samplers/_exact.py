@@ -40,7 +40,7 @@ class ExactDistributedSampler(EpochSampler):
         self.dataset = dataset
         self.shuffle = shuffle
 
-    def _pool(self, epoch: int, num_replicas: int) -> torch.Tensor:
+    def _pool(self, epoch: int, num_replicas: int, block: int = 1) -> torch.Tensor:
         size = len(self.dataset)
         if not self.shuffle:
             return torch.arange(size, dtype=index_dtype(size))

@@ -3,19 +3,28 @@
 torch's ``DistributedSampler`` over a ``ConcatDataset`` treats the tasks as one flat list: how
 often each task is seen is an accident of its size, and a rank's share of a task is left to
 chance. This sampler decides, per epoch, how many samples each task gets (its *mixing*), draws
-them from the task without replacement within a pass over it, deals them so that every rank's
-count of every task is within one of its share, and interleaves the tasks on every rank so
-that any stretch of a rank's samples (a batch) holds the mix, not runs of one task.
+them from the task without replacement within a pass over it, mixes the tasks evenly into one
+stream for the epoch, and deals that stream to the ranks so that the ranks take, step by step,
+what one process would: ``W`` ranks of batch ``b`` train on the samples one process of batch
+``W·b`` trains on, whatever ``W``.
 
 Each task is an endless stream of passes over its samples, each pass a fresh permutation
-(drawn for the seed, the task and the pass, one that gives any of its positions on its own, so
-each rank draws only its share of the epoch). An epoch's samples of a task are its count ``w``
-in the epoch on one rank, the stream's positions ``e·w`` to ``(e+1)·w - 1`` for epoch ``e``: a
-small task over-sampled runs through several passes, none repeating a sample within a pass; a
-large task under-sampled moves on through its pass, epoch by epoch; a task whose count is its
-size reads each pass in one epoch. On more ranks the epoch is rounded to a multiple of them by
-repeating samples of the same epoch (as torch's ``DistributedSampler`` pads), never by drawing
-ahead from the next, so the epochs stay where they are whatever the world size.
+(drawn for the seed, the task and the pass, one that gives any of its positions on its own).
+An epoch's samples of a task are its count ``c`` in the epoch, the stream's positions ``e·c``
+to ``(e+1)·c - 1`` for epoch ``e``: a small task over-sampled runs through several passes, none
+repeating a sample within a pass; a large task under-sampled moves on through its pass, epoch
+by epoch; a task whose count is its size reads each pass in one epoch. None of this depends on
+the number of ranks.
+
+The epoch's *global stream* puts the tasks' samples one after another as a binary tree of even
+merges: at each node, of the first ``p`` samples, ``round(p·a / n)`` come from the left subtree
+(``a`` of its ``n`` samples), so every task is spread evenly over the epoch, and how many of a
+task's samples precede any position is a closed formula: a rank finds the samples it takes
+without building the stream. The stream is dealt in *blocks* of ``W x batch`` consecutive
+samples, a global batch each: every rank takes ``batch`` samples of the block, the block sorted
+by task and dealt round-robin (rotated by one rank each block), so every rank's batch holds
+every task's share of the global batch within one sample. On more ranks the epoch is padded to
+a multiple of them by repeating its first samples (as torch's ``DistributedSampler`` pads).
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -32,13 +41,29 @@ from torch.utils.data import ConcatDataset
 
 from ups.core import ConfigError, RunContext
 
-from ._epoch import EpochSampler, Lookup, apportion, index_dtype, positions
+from ._epoch import (
+    EpochSampler,
+    Lookup,
+    Places,
+    Rest,
+    Segment,
+    apportion,
+    index_dtype,
+    positions,
+)
 from ._permute import shuffled
 
 Mixing = Literal["balanced", "proportional", "temperature", "weights"]
 EpochSize = Literal["sum", "max"] | int
 
 MIXINGS: tuple[str, ...] = ("balanced", "proportional", "temperature", "weights")
+
+DEALING = 2
+"""The state's ``dealing``: 2, one global stream dealt in blocks (none: an older, per-world
+dealing, whose mid-epoch states cannot be continued)."""
+
+CHUNK = 1 << 16
+"""Positions drawn at a time."""
 
 
 def task_sizes(tasks: Sequence[int] | ConcatDataset[Any]) -> list[int]:
@@ -117,24 +142,24 @@ def epoch_length(sizes: Sequence[int], shares: Sequence[float], epoch_size: Epoc
 
 
 class MultiTaskDistributedSampler(EpochSampler):
-    """A distributed sampler over tasks mixed by ``mixing``, balanced across ranks.
+    """A distributed sampler over tasks mixed by ``mixing``, dealt as one global stream.
 
     The dataset is the tasks one after the other, as a ``ConcatDataset`` lays them out: task
     ``t``'s samples are indices ``offset[t] .. offset[t] + size[t] - 1``.
 
     Per epoch, task ``t`` gets ``count[t]`` of the epoch's samples: its share of the epoch
-    length (:func:`mixture`, :func:`epoch_length`), the length rounded to a multiple of the
-    ranks (up; down with ``drop_last``, except for ``epoch_size="max"``, which also goes on up
-    until every task is seen in full), whole counts by largest remainder, so each is within one
-    of its exact share. Which samples of a task an epoch reads is its count on one rank
-    (``counts(1)``): the rounding repeats the first of them, or leaves out the last, so that
-    with ``proportional`` and ``sum`` every epoch is one pass over every task. Rank ``r``
-    gets every ``num_replicas``-th sample of the epoch's task-by-task list, so its count of
-    each task is within one of ``count[t] / num_replicas``, and all ranks get the same number. On each rank the tasks are
-    interleaved evenly (the largest task spread evenly over the rank's samples, then the next
-    over the slots left, and so on; tasks of one count take turns), so any stretch of a rank's
-    samples holds every task in proportion: within one with two tasks; we measured at most
-    2.4 off with up to 11 tasks.
+    length (:func:`mixture`, :func:`epoch_length`), whole counts by largest remainder, so each
+    is within one of its exact share; with ``proportional`` and ``sum`` every epoch is one pass
+    over every task. The counts, the epoch's samples and their order in the global stream
+    depend on the seed, the epoch and the mixing, never on the number of ranks.
+
+    The stream is dealt in blocks of ``num_replicas x batch_size`` samples (set the batch size
+    each rank's loader takes, as ups's engine does through :meth:`set_batch_size`): the samples
+    of global batch ``t`` on ``W`` ranks of batch ``b`` are the samples of batch ``t`` on one
+    process of batch ``W·b`` (and those of ``W`` batches of ``b`` on one process), and within
+    every global batch each rank holds each task's count in it divided by ``W``, within one.
+    The epoch is padded to a multiple of the ranks by repeating its first samples (or, with
+    ``drop_last``, its tail is dropped): at most ``W - 1`` samples, at the epoch's end.
 
     :param tasks: the tasks' sizes, or a ``ConcatDataset`` of one dataset per task.
     :param mixing: ``balanced``, ``proportional``, ``temperature`` or ``weights``.
@@ -145,8 +170,9 @@ class MultiTaskDistributedSampler(EpochSampler):
     :param shuffle: draw each pass over a task in a random order (else in index order).
     :param drop_last: round the epoch down to a multiple of the ranks, not up (not with
         ``epoch_size="max"``).
+    :param batch_size: the samples each rank takes per batch (the block it is dealt in).
     :raises ValueError: naming the bad value: no tasks, a task of size < 1, a bad mixing,
-        temperature, weight or epoch size, a rank out of range.
+        temperature, weight, epoch size or batch size, a rank out of range.
     """
 
     def __init__(
@@ -162,6 +188,7 @@ class MultiTaskDistributedSampler(EpochSampler):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        batch_size: int = 1,
         chunk_size: int = 8192,
     ) -> None:
         super().__init__(num_replicas, rank, seed=seed, drop_last=drop_last, chunk_size=chunk_size)
@@ -176,101 +203,159 @@ class MultiTaskDistributedSampler(EpochSampler):
         self.temperature = temperature
         self.epoch_size = epoch_size
         self.length = epoch_length(self.sizes, self.shares, epoch_size)
+        if epoch_size == "max":  # on until every task with a share is seen in full
+            while any(
+                c < n
+                for c, n, p in zip(self.counts(), self.sizes, self.shares, strict=True)
+                if p > 0
+            ):
+                self.length += 1
         self.shuffle = shuffle
-        self._windows = [max(count, 1) for count in self.counts(1)]
-        """Each task's stretch of its stream an epoch reads: its count on one rank (at least 1,
-        for a task that only the rounding to the world draws)."""
+        self.batch_size = 1
+        self.set_batch_size(batch_size)
         ends = torch.tensor(self.sizes, dtype=torch.int64).cumsum(0)
         self.offsets = [0, *ends[:-1].tolist()]
         self._ends = ends
         self._dtype = index_dtype(int(ends[-1]))
+        self._merges = _merges(self.counts())
+        self._firsts = torch.tensor([0, *itertools.accumulate(self.counts())][:-1])
+        self._anchor = min(
+            range(len(self.sizes)), key=lambda t: (self.counts()[t] or self.length, t)
+        )
 
-    def counts(self, num_replicas: int | None = None) -> list[int]:
-        """Samples of each task in an epoch on ``num_replicas`` ranks (default: this world)."""
-        return apportion(self._pool_size(num_replicas or self.num_replicas), self.shares)
+    def counts(self) -> list[int]:
+        """Samples of each task in an epoch (the same on any number of ranks)."""
+        return apportion(self.length, self.shares)
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Deal the stream in blocks of ``batch_size`` samples per rank from the next
+        iteration on (the batch each rank's loader takes; ups's engine sets it).
+
+        :raises ValueError: for a batch size below 1.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size: {batch_size!r} is not allowed; an int >= 1")
+        self.batch_size = batch_size
+
+    def _block(self) -> int:
+        return self.batch_size
 
     def _pool_size(self, num_replicas: int) -> int:
-        if self.epoch_size != "max":
-            return self._total(self.length, num_replicas)
-        # Round up, whatever drop_last says, and on until every task is seen in full.
-        size = -(-self.length // num_replicas) * num_replicas
-        while any(
-            c < n and p > 0
-            for c, n, p in zip(apportion(size, self.shares), self.sizes, self.shares, strict=True)
+        return self.length
+
+    def _total(self, size: int, num_replicas: int) -> int:
+        if self.epoch_size == "max":  # round up, whatever drop_last says: every task in full
+            return -(-size // num_replicas) * num_replicas
+        return super()._total(size, num_replicas)
+
+    def _pool(self, epoch: int, num_replicas: int, block: int) -> torch.Tensor:
+        return self._lookup(epoch, num_replicas, block)(slice(None))
+
+    def _lookup(self, epoch: int, num_replicas: int, block: int) -> Lookup:
+        return functools.partial(self._dealt, epoch, num_replicas, num_replicas * block, 0)
+
+    def _places(self, epoch: int, num_replicas: int, block: int) -> Places:
+        return functools.partial(self._placed, epoch, num_replicas, num_replicas * block, 0)
+
+    def _continued(self, segments: list[Segment], num_replicas: int, block: int) -> Rest | None:
+        """After whole blocks on every earlier world, the rest of the stream from where the
+        ranks stopped, dealt in this world's blocks."""
+        if any(taken % block for _, taken, block in segments):
+            return None
+        start = 0
+        for size, taken, _ in segments:
+            if taken >= self._total(self.length - start, size) // size:
+                start = self.length  # that world finished the epoch
+                break
+            start += size * taken
+        ranks, block = num_replicas, num_replicas * block
+        return Rest(
+            functools.partial(self._dealt, self.epoch, ranks, block, start),
+            functools.partial(self._placed, self.epoch, ranks, block, start),
+            max(0, self.length - start),
+        )
+
+    def _dealt(
+        self, epoch: int, num_replicas: int, block: int, start: int, where: slice
+    ) -> torch.Tensor:
+        """The samples at positions ``where`` of the stream from ``start`` on, dealt to
+        ``num_replicas`` ranks in blocks of ``block``. In chunks, so that a rank's share costs
+        O(share x tasks)."""
+        first, stop, step = where.indices(max(0, self.length - start))
+        parts = [
+            self._drawn(
+                epoch,
+                *self._occurrences(
+                    epoch,
+                    num_replicas,
+                    block,
+                    start,
+                    positions(at, min(stop, at + step * CHUNK), step, torch.int64),
+                ),
+            )
+            for at in range(first, max(first, stop), step * CHUNK)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=self._dtype)
+
+    def _placed(
+        self, epoch: int, num_replicas: int, block: int, start: int, where: torch.Tensor
+    ) -> torch.Tensor:
+        """The places of the samples at positions ``where`` (ascending) of the stream from
+        ``start`` on: sample ``k`` of task ``t`` in the epoch is place ``count[:t].sum() + k``,
+        whatever the ranks."""
+        task, k = self._occurrences(epoch, num_replicas, block, start, where)
+        return self._firsts[task] + k
+
+    def _occurrences(
+        self, epoch: int, num_replicas: int, block: int, start: int, where: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The task of the samples at positions ``where`` (ascending) of the stream from
+        ``start`` on, and which of the task's samples in the epoch each is.
+
+        Each block is sorted by task and dealt round-robin, so that rank ``r``'s positions
+        (every ``num_replicas``-th) take each task's count in the block divided by the ranks,
+        within one. The round starts where the smallest task's own round-robin over the epoch
+        stands: its ``k``-th sample of the epoch goes to rank ``k mod num_replicas`` (the
+        whole epoch within one of its share on every rank; with two tasks, both). A last block
+        that the ranks cannot share evenly is not rotated."""
+        number = where // block
+        blocks, inverse = torch.unique_consecutive(number, return_inverse=True)
+        begin = start + blocks * block
+        end = (begin + block).clamp(max=self.length)
+        before = self._merges(begin)
+        inside = self._merges(end) - before  # [blocks, tasks]
+        through = inside.cumsum(1)
+        anchor = self._anchor
+        rotation = (through - inside)[:, anchor] - before[:, anchor]
+        offset = where - number * block
+        length = (end - begin)[inverse]
+        even = length % num_replicas == 0
+        at = torch.where(even, (offset + rotation[inverse]) % length, offset)
+        task = torch.searchsorted(through[inverse], at.unsqueeze(1), right=True)
+        k = (before - through + inside)[inverse].gather(1, task).squeeze(1) + at
+        return task.squeeze(1), k
+
+    def _drawn(self, epoch: int, task: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The dataset index of sample ``k`` of each ``task`` in ``epoch``: position
+        ``epoch·count + k`` of the task's stream of passes, each pass a permutation drawn for
+        (seed, task, pass) that gives any position on its own (:func:`shuffled`)."""
+        drawn = torch.empty_like(k)
+        for t, (count, size, offset) in enumerate(
+            zip(self.counts(), self.sizes, self.offsets, strict=True)
         ):
-            size += num_replicas
-        return size
-
-    def _pool(self, epoch: int, num_replicas: int) -> torch.Tensor:
-        return self._lookup(epoch, num_replicas)(slice(None))
-
-    def _lookup(self, epoch: int, num_replicas: int) -> Lookup:
-        return functools.partial(self._pool_at, epoch, num_replicas)
-
-    def _pool_at(self, epoch: int, num_replicas: int, where: slice) -> torch.Tensor:
-        """The epoch's samples at positions ``where`` of its task-by-task list: task ``t``'s
-        ``c`` samples are the positions ``epoch·w .. (epoch + 1)·w - 1`` of its stream of
-        passes (``w``: its count on one rank), from the start again past ``w`` (the padding to
-        the world), each pass a permutation drawn for (seed, task, pass) that gives any
-        position on its own (:func:`shuffled`), so a rank draws its share and nothing else."""
-        counts = self.counts(num_replicas)
-        start, stop, step = where.indices(sum(counts))
-        parts = []
-        for t, (end, count) in enumerate(zip(itertools.accumulate(counts), counts, strict=True)):
-            # The positions of the slice in task t's part, end - count .. end - 1.
-            first = max(start, start + -(-(end - count - start) // step) * step)
-            stream = positions(first, min(stop, end), step, torch.int64)
-            stream -= end - count
-            window = self._windows[t]
-            if count > window:
-                stream %= window
-            stream += epoch * window
-            drawn = stream % self.sizes[t]
-            if self.shuffle and len(stream):
-                passes = stream // self.sizes[t]
-                drawn = shuffled(drawn, self.sizes[t], (self.seed, t), passes)
-            parts.append((drawn + self.offsets[t]).to(self._dtype))
-        return torch.cat(parts)
+            mine = (task == t).nonzero().squeeze(1)
+            if not len(mine):
+                continue
+            stream = k[mine] + epoch * count
+            index = stream % size
+            if self.shuffle:
+                index = shuffled(index, size, (self.seed, t), stream // size)
+            drawn[mine] = index + offset
+        return drawn.to(self._dtype)
 
     def task_of(self, indices: torch.Tensor) -> torch.Tensor:
         """The task of each dataset index."""
         return torch.searchsorted(self._ends, indices.to(torch.int64), right=True)
-
-    def _arrange(self, share: torch.Tensor) -> torch.Tensor:
-        """Interleave the tasks on this rank, largest first, each spread evenly over the
-        slots the larger ones left free.
-
-        Tasks with the same count here go together, taking turns. The ``k``-th of ``c``
-        samples goes to the free slot ``floor((k + 1/2) / c · f)`` of the ``f`` still free,
-        so each task is spread evenly, and the free slots left for the smaller tasks are too.
-        One vectorised pass over the free slots per distinct count.
-        """
-        n = len(share)
-        if n == 0:
-            return share
-        labels = self.task_of(share)
-        if bool((labels[1:] < labels[:-1]).any()):  # a resumed epoch's rest: group by task
-            order = torch.argsort(labels, stable=True)
-            share, labels = share[order], labels[order]
-        counts = torch.bincount(labels, minlength=len(self.sizes)).tolist()
-        starts = [0, *itertools.accumulate(counts)][:-1]
-        free = torch.arange(n, dtype=index_dtype(n))
-        arranged = torch.empty_like(share)
-        for count in sorted({c for c in counts if c}, reverse=True):
-            tasks = [t for t, c in enumerate(counts) if c == count]
-            g, f = len(tasks), len(free)
-            picked = torch.arange(g * count, dtype=torch.int64).mul_(2).add_(1)
-            picked = picked.mul_(f).div_(2 * g * count, rounding_mode="floor")
-            if g == 1:
-                arranged[free[picked]] = share[starts[tasks[0]] : starts[tasks[0]] + count]
-            else:
-                turns = torch.arange(g * count, dtype=torch.int64)
-                first = torch.tensor([starts[t] for t in tasks], dtype=torch.int64)
-                arranged[free[picked]] = share[first[turns % g] + turns // g]
-            kept = torch.ones(f, dtype=torch.bool)
-            kept[picked] = False
-            free = free[kept]
-        return arranged
 
     def _fingerprint(self) -> dict[str, Any]:
         return {
@@ -279,14 +364,56 @@ class MultiTaskDistributedSampler(EpochSampler):
             "length": self.length,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "dealing": DEALING,
         }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """As :meth:`EpochSampler.load_state_dict`.
+
+        :raises ValueError: also for a state saved mid-epoch by an older ups-samplers, whose
+            epochs depended on the world size and cannot be continued exactly.
+        """
+        if state.get("dealing") is None and state.get("sampler") == type(self).__name__:
+            if state.get("segments"):
+                raise ValueError(
+                    "sampler state: saved mid-epoch by an ups-samplers older than 0.3, whose "
+                    "multitask epochs depended on the world size; it cannot be continued "
+                    "exactly: resume from a checkpoint saved at an epoch's end"
+                )
+            state = {**state, "dealing": DEALING}
+        super().load_state_dict(state)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(tasks={len(self.sizes)}, mixing={self.mixing!r}, "
             f"length={self.length}, num_replicas={self.num_replicas}, rank={self.rank}, "
-            f"seed={self.seed}, epoch={self.epoch})"
+            f"seed={self.seed}, epoch={self.epoch}, batch_size={self.batch_size})"
         )
+
+
+def _merges(counts: Sequence[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How many samples of each task precede each position of the global stream: ``[n,
+    tasks]`` for ``n`` positions. The tasks are merged as a balanced binary tree: of the first
+    ``p`` samples of a node, ``(p·a + n // 2) // n`` come from its left subtree (``a`` of its
+    ``n``), which never decreases, steps by at most one and ends at ``a``."""
+    through = [0, *itertools.accumulate(counts)]
+
+    def split(lo: int, hi: int, p: torch.Tensor, out: torch.Tensor) -> None:
+        if hi - lo == 1:
+            out[:, lo] = p
+            return
+        mid = (lo + hi) // 2
+        a, n = through[mid] - through[lo], through[hi] - through[lo]
+        left = (p * a + n // 2) // n if n else torch.zeros_like(p)
+        split(lo, mid, left, out)
+        split(mid, hi, p - left, out)
+
+    def merged(p: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((len(p), len(counts)), dtype=torch.int64)
+        split(0, len(counts), p.to(torch.int64), out)
+        return out
+
+    return merged
 
 
 @attrs.frozen(kw_only=True)

@@ -92,7 +92,7 @@ class TensorDistributedSampler(EpochSampler):
             self.num_samples = math.ceil(size / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
 
-    def _pool(self, epoch: int, num_replicas: int) -> torch.Tensor:
+    def _pool(self, epoch: int, num_replicas: int, block: int = 1) -> torch.Tensor:
         size = len(self.dataset)
         dtype = index_dtype(size)
         if not self.shuffle:
@@ -103,10 +103,10 @@ class TensorDistributedSampler(EpochSampler):
         generator.manual_seed(self.seed + epoch)
         return torch.randperm(size, generator=generator, dtype=dtype)
 
-    def _lookup(self, epoch: int, num_replicas: int) -> Lookup:
+    def _lookup(self, epoch: int, num_replicas: int, block: int = 1) -> Lookup:
         if self.shuffle and self.permutation == "keyed":
             return functools.partial(self._keyed_at, epoch)
-        return super()._lookup(epoch, num_replicas)
+        return super()._lookup(epoch, num_replicas, block)
 
     def _keyed_at(self, epoch: int, where: slice) -> torch.Tensor:
         """The positions of ``where`` of the epoch's keyed permutation."""
