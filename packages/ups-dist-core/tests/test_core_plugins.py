@@ -17,6 +17,7 @@ from ups.core import (
     UsageError,
     config_from_mapping,
     hookimpl,
+    load_config,
 )
 from ups.core.builtins import torch_sampler
 from ups.core.config import PluginChoice
@@ -243,3 +244,18 @@ def test_validate_builds_each_plugins_section_through_its_plugin(tmp_path: Path)
         ConfigError, match=r"^plugins.trakcer: unknown section 'trakcer'; available: tracker"
     ):
         check({"trakcer": {}})
+
+
+def test_validate_warns_of_a_sampler_whose_global_batch_depends_on_the_world(
+    tmp_path: Path,
+) -> None:
+    registry = load_plugins(extra=[("mine", samplers("reverse"))], env=NO_AUTOLOAD)
+    config = load_config(tiny_project(tmp_path, sampler={"name": "reverse"}))
+    warned = [w for w in validate(config, registry, nproc=2) if "world_invariant" in w]
+    assert warned == [
+        "sampler.name: 'reverse' does not declare that its global batch is the same on any "
+        "number of ranks (world_invariant), so W ranks of batch b need not train as one "
+        "process of batch W*b (`ups check` tells); torch, tensor and multitask keep it"
+    ]
+    torch_config = load_config(tiny_project(tmp_path / "torch"))
+    assert not [w for w in validate(torch_config, registry, nproc=2) if "world_invariant" in w]

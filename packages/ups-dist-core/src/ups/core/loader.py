@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import itertools
 import math
+import multiprocessing
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -226,10 +227,14 @@ def data_loader(
     pin = options.pin_memory if options.pin_memory is not None else device.type == "cuda"
     extra: dict[str, Any] = {}
     if workers:
+        # The platform's default start method, not this process's: a rank forked from ups's
+        # forkserver (ups.core.train) has the forkserver's, and a dataset from a file.py:
+        # factory does not unpickle in a forkserver's worker.
+        platform_default = multiprocessing.get_all_start_methods()[0]
         extra = {
             "persistent_workers": options.persistent_workers,
             "prefetch_factor": options.prefetch_factor,
-            "multiprocessing_context": options.multiprocessing_context,
+            "multiprocessing_context": options.multiprocessing_context or platform_default,
         }
     collate = options.collate and load_object(options.collate, "data.loader.collate")
     return DataLoader(

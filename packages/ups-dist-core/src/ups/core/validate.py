@@ -134,6 +134,13 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
             "data.tasks as one flat list, so ranks see unbalanced task mixes; choose a sampler "
             "that balances tasks (its plugin declares multi_task=True)"
         )
+    if not sampler.world_invariant:
+        warnings.append(
+            f"sampler.name: {config.sampler.name!r} does not declare that its global batch is "
+            "the same on any number of ranks (world_invariant), so W ranks of batch b need not "
+            "train as one process of batch W*b (`ups check` tells); torch, tensor and "
+            "multitask keep it"
+        )
     global_batch = config.training.batch_size * nproc
     if nproc > 1 and global_batch < MIN_GLOBAL_BATCH:
         warnings.append(
