@@ -78,7 +78,7 @@ def main() -> None:
     )
     multitask = [
         MultiTaskDistributedSampler(
-            dataset, WORLD, rank, mixing="temperature", temperature=2.0, seed=SEED
+            dataset, WORLD, rank, mixing="temperature", temperature=2.0, seed=SEED, batch_size=8
         )
         for rank in range(WORLD)
     ]
@@ -97,7 +97,7 @@ def main() -> None:
         axes[0, 0],
         axes[0, 1],
         task_rows(multitask, dataset),
-        "multitask (mixing: temperature, temperature: 2.0): every rank the same mix, interleaved",
+        "multitask (temperature 2.0, batch 8): every global batch dealt evenly to the ranks",
     )
     draw(
         axes[1, 0],

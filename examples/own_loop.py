@@ -58,7 +58,7 @@ with distributed_session(enabled=True) as ctx:
     powersgd = register_hook(ddp, "powersgd", ctx=ctx, options={"start_powersgd_iter": 2})
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=2e-3)
     sampler = MultiTaskDistributedSampler(
-        data, num_replicas=ctx.world_size, rank=ctx.rank, mixing="balanced", seed=0
+        data, num_replicas=ctx.world_size, rank=ctx.rank, mixing="balanced", seed=0, batch_size=16
     )
     loader = DataLoader(data, batch_size=16, sampler=sampler)
     checkpoints = checkpointer(args.out, ctx=ctx, keep_last=2, async_save=True)

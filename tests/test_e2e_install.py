@@ -105,7 +105,7 @@ def venvs() -> Iterator[dict[str, Future[Path]]]:
         pytest.param(
             "ups-samplers",
             {"ups-samplers": "ups-samplers"},
-            [["sampler", "tensor", "ups-samplers", "ups-samplers", "0.1.0", "enabled"]],
+            [["sampler", "tensor", "ups-samplers", "ups-samplers", "0.2.0", "enabled"]],
             id="ups-samplers",
         ),
         pytest.param(

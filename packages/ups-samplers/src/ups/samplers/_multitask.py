@@ -376,7 +376,7 @@ class MultiTaskDistributedSampler(EpochSampler):
         if state.get("dealing") is None and state.get("sampler") == type(self).__name__:
             if state.get("segments"):
                 raise ValueError(
-                    "sampler state: saved mid-epoch by an ups-samplers older than 0.3, whose "
+                    "sampler state: saved mid-epoch by an ups-samplers older than 0.2, whose "
                     "multitask epochs depended on the world size; it cannot be continued "
                     "exactly: resume from a checkpoint saved at an epoch's end"
                 )
