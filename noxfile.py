@@ -272,9 +272,11 @@ def bench_gpu(session: nox.Session) -> None:
 def bench_pipeline(session: nox.Session) -> None:
     """Benchmark the engine's training-step contract and data pipeline: a custom
     ``ups.core.Step`` on dict batches against the built-in step (the bundled example, 2 local
-    CPU ranks), and a loader-bound HDF5 dataset read by 2 worker processes against none (1
-    rank); see benchmarks/README.md. Not a default session: ``nox -s bench_pipeline``; small
-    runs: ``nox -s bench_pipeline -- --repeats 1 --steps 200 --loader-repeats 1``."""
+    CPU ranks), a loader-bound HDF5 dataset read by 2 worker processes against none (1 rank),
+    and the engine's own time per step in one process against a hand-written loop; see
+    benchmarks/README.md. Not a default session: ``nox -s bench_pipeline``; small
+    runs: ``nox -s bench_pipeline -- --repeats 1 --steps 200 --loader-repeats 1
+    --overhead-repeats 1``."""
     install(session, "core")
     session.install("-c", str(CONSTRAINTS), "h5py")
     session.run("python", "benchmarks/bench_pipeline.py", *session.posargs)

@@ -1,10 +1,11 @@
 """Benchmark the engine's training-step contract and its data pipeline, on local CPU ranks (gloo).
 
-Two measurements, each against a baseline taken in the same run, both of the engine as
-``ups.core.train`` starts it (``ups.core.launch.run_processes(train_here, config)``) and timed
-as ``bench_engine.py`` times it (its ``Probe``, an optimizer step post-hook registered by the
-model factory: ``time.perf_counter`` behind a barrier every ``segment`` steps after ``warmup``;
-a run's rate is its median segment):
+Three measurements, each against a baseline taken in the same run, all timed as
+``bench_engine.py`` times them (its ``Probe``, an optimizer step post-hook:
+``time.perf_counter`` behind a barrier every ``segment`` steps after ``warmup``; a run's rate
+is its median segment). The first two run the engine as ``ups.core.train`` starts it
+(``ups.core.launch.run_processes(train_here, config)``, the probe registered by the model
+factory):
 
 custom step
     The bundled example (``examples/pde_multitask``, 2 ranks, batch 32 per rank) trained with
@@ -23,12 +24,20 @@ loader-bound data
     then 4 x 4 average pooling to 256 features). ``data.loader.num_workers: 2`` with
     ``persistent_workers: true`` against ``num_workers: 0``; rounds alternate the order.
     Target: samples/s with workers / without >= 1.6 (on 2 cores).
+the engine's own time per step
+    In this process, no DDP, microseconds per step: the engine (``train_in_place``, one
+    process) against a hand-written loop (``DataLoader``, forward, MSE, ``zero_grad``,
+    backward, ``AdamW`` step) of the same tiny MLP (32 -> 64 -> 1) on in-memory samples, batch
+    32; the probe registered by this process around each run. Rounds alternate the order; per
+    round, the engine's microseconds minus the loop's (what the engine itself costs a step)
+    and their ratio.
 
 Every rank (and so the 0-worker side's transform) uses one intra-op thread
 (``OMP_NUM_THREADS=1``, as torchrun sets it); loader workers use one thread each (torch sets it).
 
-Usage: ``python benchmarks/bench_pipeline.py [--only step|loader] [--repeats N] [--steps N]
-[--loader-repeats N] [--loader-steps N] [--out FILE]`` (``nox -s bench_pipeline`` runs it).
+Usage: ``python benchmarks/bench_pipeline.py [--only step|loader|overhead] [--repeats N]
+[--steps N] [--loader-repeats N] [--loader-steps N] [--overhead-repeats N] [--overhead-steps N]
+[--out FILE]`` (``nox -s bench_pipeline`` runs it).
 Prints a Markdown table and writes a JSON file (default ``.nox-reports/bench_pipeline.json``);
 the ranks' logs go next to it (``bench_pipeline.log``).
 
@@ -42,12 +51,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import operator
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +68,11 @@ import torch
 import yaml
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ups.core import Step
+from ups.core import Step, load_config
 from ups.core.imports import load_object
+from ups.core.launch import train_in_place
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -199,10 +211,93 @@ def write_h5(path: Path, samples: int, seed: int = 0) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# In this process: the engine's own time per step, against a hand-written loop
+
+
+def mlp(features: int = 32, width: int = 64) -> nn.Module:
+    """The overhead benchmark's tiny MLP, the same weights on both sides."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(features, width), nn.GELU(), nn.Linear(width, 1))
+
+
+def vectors(samples: int = 4096, features: int = 32) -> TensorDataset:
+    """In-memory samples: ``features`` random inputs, their sum the target."""
+    x = torch.randn(samples, features, generator=torch.Generator().manual_seed(0))
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+def plain_loop(steps: int, batch: int) -> None:
+    """The hand-written loop: what the engine does for :func:`overhead_config`, and nothing
+    else."""
+    model = mlp()
+    data = DataLoader(
+        vectors(), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.001)
+    while True:
+        for inputs, targets in data:
+            loss = nn.functional.mse_loss(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            steps -= 1
+            if not steps:
+                return
+
+
+def overhead_config(folder: Path, args: argparse.Namespace) -> Path:
+    """One process, :func:`mlp` on :func:`vectors`, as :func:`plain_loop` trains it."""
+    config = {
+        "run": {"name": "overhead", "seed": 0, "output_dir": str(folder / "runs"), "log_every": 10},
+        "model": {"factory": f"{HERE}:mlp"},
+        "data": {"factory": f"{HERE}:vectors"},
+        "training": {
+            "epochs": 10**6,
+            "max_steps": args.overhead_warmup + args.overhead_steps,
+            "batch_size": args.overhead_batch,
+            "lr": 0.001,
+            "optimizer": "adamw",
+            "loss": "mse",
+        },
+        "distributed": {"enabled": "auto", "backend": "gloo", "nproc": 1},
+        "sampler": {"name": "torch", "options": {"shuffle": True}},
+        "checkpoint": {"name": "simple", "every_steps": None},
+    }
+    path = folder / "overhead.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def overhead_run(side: str, config: Path, args: argparse.Namespace, log: Path) -> dict[str, float]:
+    """One run of one side in this process, timed by a probe registered around it:
+    microseconds per step, the median segment's and the whole window's."""
+    engine = engine_bench()
+    steps = args.overhead_steps
+    probe = engine.Probe(
+        str(config.with_suffix(".probe.json")), args.overhead_warmup, steps, args.overhead_segment
+    )
+    handle = register_optimizer_step_post_hook(probe)
+    try:
+        with engine.stderr_to(log):
+            if side == "engine":
+                train_in_place(load_config(config))
+            else:
+                plain_loop(args.overhead_warmup + steps, args.overhead_batch)
+    finally:
+        handle.remove()
+    record = probe.record
+    return {
+        "us_per_step": statistics.median(record["segments"]) / record["segment"] * 1e6,
+        "window_us_per_step": record["seconds"] / record["steps"] * 1e6,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # The driver
 
 STEP_SIDES = ("builtin", "custom", "builtin_dict")
 LOADER_SIDES = ("workers_0", "workers_n")
+OVERHEAD_SIDES = ("engine", "plain")
 
 
 def step_configs(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
@@ -277,10 +372,14 @@ def loader_configs(folder: Path, args: argparse.Namespace, h5: Path) -> dict[str
 
 
 def compare(
-    runs: dict[str, list[dict[str, float]]], key: str, side: str, baseline: str
+    runs: dict[str, list[dict[str, float]]],
+    key: str,
+    side: str,
+    baseline: str,
+    how: Callable[[float, float], float] = operator.truediv,
 ) -> dict[str, Any]:
-    """Per round, ``side``'s ``key`` over ``baseline``'s: median, min, max."""
-    values = [s[key] / b[key] for s, b in zip(runs[side], runs[baseline], strict=True)]
+    """Per round, ``how(side's key, baseline's)`` (by default their ratio): median, min, max."""
+    values = [how(s[key], b[key]) for s, b in zip(runs[side], runs[baseline], strict=True)]
     return {"per_round": values, **_module(STATS, "summary").summary(values)}
 
 
@@ -313,7 +412,9 @@ def data_costs(h5: Path, iters: int, samples: int = 200) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("step", "loader"), help="run one benchmark only")
+    parser.add_argument(
+        "--only", choices=("step", "loader", "overhead"), help="run one benchmark only"
+    )
     parser.add_argument("--repeats", type=int, default=10, help="rounds of the step benchmark")
     parser.add_argument("--steps", type=int, default=1000, help="timed steps per step run")
     parser.add_argument("--segment", type=int, default=100, help="steps per timed segment")
@@ -330,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         help="data.loader.multiprocessing_context of the workers (default: not set)",
     )
     parser.add_argument("--batch", type=int, default=16, help="batch size of the loader one")
+    parser.add_argument("--overhead-repeats", type=int, default=7, help="rounds of the overhead")
+    parser.add_argument("--overhead-steps", type=int, default=2000, help="timed steps per run")
+    parser.add_argument("--overhead-segment", type=int, default=200)
+    parser.add_argument("--overhead-warmup", type=int, default=50)
+    parser.add_argument("--overhead-batch", type=int, default=32)
     parser.add_argument("--samples", type=int, default=2048, help="samples in the HDF5 file")
     parser.add_argument("--transform-iters", type=int, default=48, help="rounds per sample")
     parser.add_argument("--out", type=Path, default=ROOT / ".nox-reports" / "bench_pipeline.json")
@@ -412,6 +518,24 @@ def main(argv: list[str] | None = None) -> int:
                 "target_ratio": 1.6,
                 "runs": runs,
             }
+        if args.only in (None, "overhead"):
+            config = overhead_config(folder, args)
+            print(f"the engine's own time per step, 1 process: {args.overhead_steps} steps timed")
+            runs = engine.alternate(
+                args.overhead_repeats,
+                lambda side: overhead_run(side, config, args, log),
+                "overhead",
+                OVERHEAD_SIDES,
+            )
+            result["overhead"] = {
+                "us_per_step": medians(runs, "us_per_step"),
+                "window_us_per_step": medians(runs, "window_us_per_step"),
+                "engine_minus_plain_us": compare(
+                    runs, "us_per_step", "engine", "plain", operator.sub
+                ),
+                "engine_vs_plain": compare(runs, "us_per_step", "engine", "plain"),
+                "runs": runs,
+            }
     result["machine"]["load_average_1min"] = {"before": load_before[0], "after": os.getloadavg()[0]}
     result["wall_s"] = time.perf_counter() - began
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -484,6 +608,19 @@ def table(r: dict[str, Any]) -> str:
                 f"0-worker ceiling {1e3 / costs['getitem_ms']:.0f} samples/s",
             ),
         ]
+    if "overhead" in r:
+        o = r["overhead"]
+        us, own = o["us_per_step"], o["engine_minus_plain_us"]
+        batch = r["settings"]["overhead_batch"]
+        rows.append(
+            (
+                f"us/step, 1 process, tiny MLP, batch {batch}: engine vs hand-written loop",
+                f"{us['engine']:.0f}",
+                f"{us['plain']:.0f}",
+                f"{spread(o['engine_vs_plain'])}; the engine's own: "
+                f"{own['median']:.0f} us [{own['min']:.0f}, {own['max']:.0f}]",
+            )
+        )
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
