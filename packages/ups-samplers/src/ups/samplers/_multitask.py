@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
@@ -217,11 +217,11 @@ class MultiTaskDistributedSampler(EpochSampler):
         self.offsets = [0, *ends[:-1].tolist()]
         self._ends = ends
         self._dtype = index_dtype(int(ends[-1]))
-        self._merges = _merges(self.counts())
-        self._firsts = torch.tensor([0, *itertools.accumulate(self.counts())][:-1])
-        self._anchor = min(
-            range(len(self.sizes)), key=lambda t: (self.counts()[t] or self.length, t)
-        )
+        counts = self.counts()
+        self._firsts = torch.tensor([0, *itertools.accumulate(counts)][:-1])
+        anchor = min(range(len(counts)), key=lambda t: (counts[t] or self.length, t))
+        self._tree = MergeTree(counts, anchor)
+        """The global stream, anchored on the smallest task (see :meth:`_occurrences`)."""
 
     def counts(self) -> list[int]:
         """Samples of each task in an epoch (the same on any number of ranks)."""
@@ -279,23 +279,25 @@ class MultiTaskDistributedSampler(EpochSampler):
         self, epoch: int, num_replicas: int, block: int, start: int, where: slice
     ) -> torch.Tensor:
         """The samples at positions ``where`` of the stream from ``start`` on, dealt to
-        ``num_replicas`` ranks in blocks of ``block``. In chunks, so that a rank's share costs
-        O(share x tasks)."""
+        ``num_replicas`` ranks in blocks of ``block``: which task's which sample each is, a chunk
+        at a time (O(share x log tasks)), then each task's drawn at once."""
         first, stop, step = where.indices(max(0, self.length - start))
-        parts = [
-            self._drawn(
+        found = [
+            self._occurrences(
                 epoch,
-                *self._occurrences(
-                    epoch,
-                    num_replicas,
-                    block,
-                    start,
-                    positions(at, min(stop, at + step * CHUNK), step, torch.int64),
-                ),
+                num_replicas,
+                block,
+                start,
+                positions(at, min(stop, at + step * CHUNK), step, torch.int64),
             )
             for at in range(first, max(first, stop), step * CHUNK)
         ]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=self._dtype)
+        if not found:
+            return torch.empty(0, dtype=self._dtype)
+        # Kept small (int32) until each task's samples are drawn, in one call a task.
+        task = torch.cat([t.to(torch.int32) for t, _ in found])
+        k = torch.cat([k.to(index_dtype(self.length)) for _, k in found])
+        return self._drawn(epoch, task, k)
 
     def _placed(
         self, epoch: int, num_replicas: int, block: int, start: int, where: torch.Tensor
@@ -322,36 +324,31 @@ class MultiTaskDistributedSampler(EpochSampler):
         blocks, inverse = torch.unique_consecutive(number, return_inverse=True)
         begin = start + blocks * block
         end = (begin + block).clamp(max=self.length)
-        before = self._merges(begin)
-        inside = self._merges(end) - before  # [blocks, tasks]
-        through = inside.cumsum(1)
-        anchor = self._anchor
-        rotation = (through - inside)[:, anchor] - before[:, anchor]
-        offset = where - number * block
         length = (end - begin)[inverse]
-        even = length % num_replicas == 0
-        at = torch.where(even, (offset + rotation[inverse]) % length, offset)
-        task = torch.searchsorted(through[inverse], at.unsqueeze(1), right=True)
-        k = (before - through + inside)[inverse].gather(1, task).squeeze(1) + at
-        return task.squeeze(1), k
+        offset = where - number * block
+        rotation = self._tree.rotation(begin, end)[inverse]
+        at = torch.where(
+            length % num_replicas == 0, (offset + rotation) % length.clamp(min=1), offset
+        )
+        return self._tree.find(begin[inverse], end[inverse], at)
 
     def _drawn(self, epoch: int, task: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The dataset index of sample ``k`` of each ``task`` in ``epoch``: position
         ``epoch·count + k`` of the task's stream of passes, each pass a permutation drawn for
         (seed, task, pass) that gives any position on its own (:func:`shuffled`)."""
-        drawn = torch.empty_like(k)
+        drawn = torch.empty(len(k), dtype=self._dtype)
         for t, (count, size, offset) in enumerate(
             zip(self.counts(), self.sizes, self.offsets, strict=True)
         ):
             mine = (task == t).nonzero().squeeze(1)
             if not len(mine):
                 continue
-            stream = k[mine] + epoch * count
+            stream = k[mine].to(torch.int64) + epoch * count
             index = stream % size
             if self.shuffle:
                 index = shuffled(index, size, (self.seed, t), stream // size)
-            drawn[mine] = index + offset
-        return drawn.to(self._dtype)
+            drawn[mine] = (index + offset).to(self._dtype)
+        return drawn
 
     def task_of(self, indices: torch.Tensor) -> torch.Tensor:
         """The task of each dataset index."""
@@ -391,29 +388,65 @@ class MultiTaskDistributedSampler(EpochSampler):
         )
 
 
-def _merges(counts: Sequence[int]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How many samples of each task precede each position of the global stream: ``[n,
-    tasks]`` for ``n`` positions. The tasks are merged as a balanced binary tree: of the first
-    ``p`` samples of a node, ``(p·a + n // 2) // n`` come from its left subtree (``a`` of its
-    ``n``), which never decreases, steps by at most one and ends at ``a``."""
-    through = [0, *itertools.accumulate(counts)]
+class MergeTree:
+    """The epoch's global stream: the tasks merged as a balanced binary tree (the tasks padded
+    with empty ones to a power of two). Of the first ``p`` samples of a node, ``(p·a + n // 2)
+    // n`` come from its left half (``a`` of its ``n``): never decreasing, stepping by one at
+    most, ending at ``a``; so every task is spread evenly over the stream, and what sits at a
+    position is found by walking down the tree, O(log tasks) per position."""
 
-    def split(lo: int, hi: int, p: torch.Tensor, out: torch.Tensor) -> None:
-        if hi - lo == 1:
-            out[:, lo] = p
-            return
-        mid = (lo + hi) // 2
-        a, n = through[mid] - through[lo], through[hi] - through[lo]
-        left = (p * a + n // 2) // n if n else torch.zeros_like(p)
-        split(lo, mid, left, out)
-        split(mid, hi, p - left, out)
+    def __init__(self, counts: Sequence[int], anchor: int) -> None:
+        self.depth = max(len(counts) - 1, 0).bit_length()
+        padded = [*counts, *[0] * ((1 << self.depth) - len(counts))]
+        self.left: list[torch.Tensor] = []
+        self.total: list[torch.Tensor] = []
+        for level in range(self.depth):
+            width = len(padded) >> level
+            nodes = torch.tensor(padded).view(-1, width)
+            self.left.append(nodes[:, : width // 2].sum(1))
+            self.total.append(nodes.sum(1))
+        self.anchor = anchor
 
-    def merged(p: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((len(p), len(counts)), dtype=torch.int64)
-        split(0, len(counts), p.to(torch.int64), out)
-        return out
+    def _split(
+        self, level: int, node: torch.Tensor | int, begin: torch.Tensor, end: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """How many of a node's first ``begin`` and first ``end`` samples its left half gives."""
+        a, n = self.left[level][node], self.total[level][node]
+        half, whole = n // 2, torch.as_tensor(n).clamp(min=1)
+        return (begin * a + half) // whole, (end * a + half) // whole
 
-    return merged
+    def find(
+        self, begin: torch.Tensor, end: torch.Tensor, at: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The task of position ``at`` of each block ``[begin, end)`` of the stream sorted by
+        task, and which of the task's samples of the epoch it is."""
+        node = torch.zeros_like(at)
+        for level in range(self.depth):
+            left_begin, left_end = self._split(level, node, begin, end)
+            inside = left_end - left_begin
+            right = at >= inside
+            at = torch.where(right, at - inside, at)
+            begin = torch.where(right, begin - left_begin, left_begin)
+            end = torch.where(right, end - left_end, left_end)
+            node = node * 2 + right
+        return node, begin + at
+
+    def rotation(self, begin: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """For each block ``[begin, end)``, where the anchor task's samples start in the block
+        sorted by task, less how many of them came before the block: rotated by that, the
+        block's round-robin deals the anchor's ``k``-th sample of the epoch to rank ``k mod W``."""
+        start = torch.zeros_like(begin)
+        node = 0
+        for level in range(self.depth):
+            left_begin, left_end = self._split(level, node, begin, end)
+            right = self.anchor >> (self.depth - 1 - level) & 1
+            if right:
+                start += left_end - left_begin
+                begin, end = begin - left_begin, end - left_end
+            else:
+                begin, end = left_begin, left_end
+            node = node * 2 + right
+        return start - begin
 
 
 @attrs.frozen(kw_only=True)
