@@ -282,21 +282,15 @@ class MultiTaskDistributedSampler(EpochSampler):
         ``num_replicas`` ranks in blocks of ``block``: which task's which sample each is, a chunk
         at a time (O(share x log tasks)), then each task's drawn at once."""
         first, stop, step = where.indices(max(0, self.length - start))
-        found = [
-            self._occurrences(
-                epoch,
-                num_replicas,
-                block,
-                start,
-                positions(at, min(stop, at + step * CHUNK), step, torch.int64),
-            )
-            for at in range(first, max(first, stop), step * CHUNK)
-        ]
-        if not found:
-            return torch.empty(0, dtype=self._dtype)
-        # Kept small (int32) until each task's samples are drawn, in one call a task.
-        task = torch.cat([t.to(torch.int32) for t, _ in found])
-        k = torch.cat([k.to(index_dtype(self.length)) for _, k in found])
+        wanted = range(first, max(first, stop), step)
+        # Kept small until each task's samples are drawn, in one call a task.
+        task = torch.empty(len(wanted), dtype=torch.int32)
+        k = torch.empty(len(wanted), dtype=index_dtype(self.length))
+        for at in range(0, len(wanted), CHUNK):
+            chunk = wanted[at : at + CHUNK]
+            here = positions(chunk.start, chunk.stop, step, torch.int64)
+            found_task, found_k = self._occurrences(epoch, num_replicas, block, start, here)
+            task[at : at + CHUNK], k[at : at + CHUNK] = found_task, found_k
         return self._drawn(epoch, task, k)
 
     def _placed(
