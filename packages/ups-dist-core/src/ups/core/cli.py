@@ -1,5 +1,5 @@
-"""The ``ups`` command: ``train``, ``validate``, ``tune``, ``report``, ``plugins``, and
-``launch``, ``status``, ``logs`` and ``cancel`` (through a launcher plugin; see
+"""The ``ups`` command: ``train``, ``validate``, ``tune``, ``check``, ``report``, ``plugins``,
+and ``launch``, ``status``, ``logs`` and ``cancel`` (through a launcher plugin; see
 :mod:`ups.core.launch_record`), and the commands plugins add (``ups_commands``).
 
 Usage errors (bad config, unknown plugin, missing file) print one line and exit with status 2.
@@ -68,6 +68,17 @@ def _count(text: str) -> int:
     return value
 
 
+def _tolerance(text: str) -> float:
+    """``ups check --tolerance``: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
 def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = _Parser(prog="ups", description="DDP training done right, from one YAML file.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -114,6 +125,35 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     check.add_argument("config", type=Path)
     check.add_argument("--nproc", type=_count, help="check for this many processes")
     _overrides(check)
+
+    exact = commands.add_parser(
+        "check",
+        help="prove that W ranks train as one process of W times the batch, and "
+        "accumulation as a bigger batch, for this config's model, step and data",
+    )
+    exact.add_argument("config", type=Path)
+    exact.add_argument(
+        "--nproc",
+        type=_count,
+        metavar="W",
+        help="ranks to compare (default: distributed.nproc, at least 2)",
+    )
+    exact.add_argument(
+        "--steps", type=_count, default=5, metavar="N", help="optimizer steps (default: 5)"
+    )
+    exact.add_argument(
+        "--tolerance",
+        type=_tolerance,
+        default=1e-5,
+        metavar="T",
+        help="the largest parameter difference that agrees (default: 1e-5)",
+    )
+    exact.add_argument(
+        "--keep-precision",
+        action="store_true",
+        help="run training.precision as configured (bf16, fp16), not fp32",
+    )
+    _overrides(exact)
 
     commands.add_parser("plugins", help="list the plugins found and what they provide")
 
@@ -363,6 +403,32 @@ def _validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_exact(args: argparse.Namespace) -> int:
+    """``ups check``: the three ways of running a few steps, compared (:mod:`ups.core.check`);
+    exit 0 when they agree and nothing breaks equivalence, else 1."""
+    from .check import check
+    from .context import launched
+
+    config = load_config(args.config, args.override)
+    nproc = args.nproc or max(config.distributed.nproc, 2)
+    if nproc < 2:
+        raise UsageError("--nproc: must be >= 2: one process has nothing to compare")
+    if launched():
+        raise UsageError("ups check starts its own processes: run it outside torchrun and srun")
+    registry = load_plugins()
+    _check(config, registry, nproc)
+    report = check(
+        config,
+        registry,
+        nproc=nproc,
+        steps=args.steps,
+        tolerance=args.tolerance,
+        keep_precision=args.keep_precision,
+    )
+    print(report.render(str(args.config)))
+    return EXIT_OK if report.exact else EXIT_FAILED
+
+
 def _check(config: Config, registry: Registry, nproc: int | None) -> None:
     from .validate import validate
 
@@ -523,6 +589,7 @@ _COMMANDS = {
     "tune": _tune,
     "train": _train,
     "validate": _validate,
+    "check": _check_exact,
     "plugins": _plugins,
     "report": _report,
     "launch": _launch,
