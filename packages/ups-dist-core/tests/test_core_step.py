@@ -333,8 +333,9 @@ def test_a_mean_loss_counts_for_the_samples_it_says_it_averages() -> None:
     ctx = RunContext()
     metrics = UserMetrics({}, ("all",), ctx.device)
     forward = Forward(TokenMean(), ctx, "fp32", metrics, Watchdog(ctx, "test"), pinned=False)
-    mean, taken = forward(torch.nn.Identity(), (torch.full((4, 10), 2.0), torch.zeros(4)))
-    assert (mean.item(), taken.samples, taken.weight) == (2.0, 4, 40)
+    loss, taken = forward(torch.nn.Identity(), (torch.full((4, 10), 2.0), torch.zeros(4)))
+    assert (loss.mean.item(), loss.count, loss.kind) == (2.0, 40, "count")
+    assert (taken.samples, taken.weight) == (4, 40)
     window = LossWindow((), ctx.device)
     taken.count(window, forward.metrics)
     window.add(torch.full((10,), 8.0), None)  # ten samples of 8, per sample

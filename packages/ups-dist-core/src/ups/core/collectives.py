@@ -76,17 +76,60 @@ def gather_failures(
     go on, together. A collective: every rank calls it, failed or not. When no rank failed it
     costs one all-reduce of one number; the messages are gathered only when one did.
     """
+    return _gather(ctx, error, group, None)[0]
+
+
+def gather_failures_summing(
+    ctx: RunContext, error: BaseException | None, value: float
+) -> tuple[list[Failure], torch.Tensor]:
+    """:func:`gather_failures` over the default group, its all-reduce also summing every
+    rank's ``value``: a sum the ranks need anyway rides the agreement, at no collective of its
+    own. The sum is a float64 tensor of one element on the device collectives use, not read on
+    the host."""
+    failures, total = _gather(ctx, error, None, value)
+    assert total is not None
+    return failures, total
+
+
+def _gather(
+    ctx: RunContext,
+    error: BaseException | None,
+    group: dist.ProcessGroup | None,
+    value: float | None,
+) -> tuple[list[Failure], torch.Tensor | None]:
+    """The failures, and the sum of ``value`` over the ranks (``None`` without a value)."""
     mine = None if error is None else (type(error).__name__, str(error))
-    gathered: list[tuple[str, str] | None] = [mine]
-    if ctx.distributed:
-        device = _object_device(ctx, group) or torch.device("cpu")
-        failed = torch.tensor([mine is not None], dtype=torch.int32, device=device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-        if not failed.item():
-            return []
-        gathered = [None] * ctx.world_size
-        dist.all_gather_object(gathered, mine, group=group)
-    return [Failure(rank, *failure) for rank, failure in enumerate(gathered) if failure is not None]
+    device = _object_device(ctx, group) or torch.device("cpu")
+    if not ctx.distributed:
+        total = None if value is None else torch.full((1,), value, dtype=torch.float64)
+        return [Failure(0, *mine)] if mine is not None else [], total
+    numbers = [float(mine is not None)] + ([] if value is None else [value])
+    summed = torch.tensor(numbers, dtype=torch.float64, device=device)
+    total = None if value is None else summed[1:]
+    dist.all_reduce(summed, group=group)  # the failed ranks counted, and the values summed
+    if not summed[0].item():
+        return [], total
+    gathered: list[tuple[str, str] | None] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    return [Failure(rank, *f) for rank, f in enumerate(gathered) if f is not None], total
+
+
+def sum_later(ctx: RunContext, value: float) -> Callable[[], torch.Tensor]:
+    """Start summing every rank's ``value`` with an asynchronous all-reduce, which what runs
+    until the wait overlaps; return the wait, which gives the sum: a float64 tensor of one
+    element on the device collectives use. On CUDA (NCCL) the wait orders the current stream
+    after the all-reduce; the host does not wait. A collective: every rank calls it. Not
+    distributed: ``value`` itself, at once."""
+    total = torch.full((1,), value, dtype=torch.float64, device=_object_device(ctx, None))
+    if not ctx.distributed:
+        return lambda: total
+    work = dist.all_reduce(total, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return total
+
+    return wait
 
 
 def all_mean(ctx: RunContext, values: torch.Tensor) -> torch.Tensor:

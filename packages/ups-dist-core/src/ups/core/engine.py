@@ -182,6 +182,7 @@ class Run:
             optimizer=optimizer,
             scheduler=scheduler,
             watchdog=self.watchdog,
+            even=sampler_plugin.even,
         )
         stepper, watchdog = self.stepper, self.watchdog
 
