@@ -28,9 +28,10 @@ the engine's own time per step
     In this process, no DDP, microseconds per step: the engine (``train_in_place``, one
     process) against a hand-written loop (``DataLoader``, forward, MSE, ``zero_grad``,
     backward, ``AdamW`` step) of the same tiny MLP (32 -> 64 -> 1) on in-memory samples, batch
-    32; the probe registered by this process around each run. Rounds alternate the order; per
-    round, the engine's microseconds minus the loop's (what the engine itself costs a step)
-    and their ratio.
+    32; the probe registered by this process around each run, and beside it a clock of the
+    process's CPU time (what each side spent, whatever else the machine ran). Rounds alternate
+    the order; per round, the engine's microseconds minus the loop's (what the engine itself
+    costs a step), wall and CPU, and their ratio.
 
 Every rank (and so the 0-worker side's transform) uses one intra-op thread
 (``OMP_NUM_THREADS=1``, as torchrun sets it); loader workers use one thread each (torch sets it).
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import operator
 import os
@@ -268,27 +270,51 @@ def overhead_config(folder: Path, args: argparse.Namespace) -> Path:
     return path
 
 
+class CpuClock:
+    """An optimizer step post-hook that reads this process's CPU time where the probe stamps
+    the wall clock (steps ``warmup``, ``warmup + segment``, ... ``warmup + steps``): on a
+    shared machine, what the side itself spent, whoever else ran meanwhile."""
+
+    def __init__(self, warmup: int, steps: int, segment: int) -> None:
+        self.warmup, self.steps, self.segment = warmup, steps, segment
+        self.count = 0
+        self.stamps: list[float] = []
+
+    def __call__(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self.count += 1
+        timed = self.count - self.warmup
+        if 0 <= timed <= self.steps and timed % self.segment == 0:
+            self.stamps.append(time.process_time())
+
+    def us_per_step(self) -> float:
+        """The median segment's CPU microseconds per step."""
+        segments = [b - a for a, b in itertools.pairwise(self.stamps)]
+        return statistics.median(segments) / self.segment * 1e6
+
+
 def overhead_run(side: str, config: Path, args: argparse.Namespace, log: Path) -> dict[str, float]:
-    """One run of one side in this process, timed by a probe registered around it:
-    microseconds per step, the median segment's and the whole window's."""
+    """One run of one side in this process, timed by a probe and a :class:`CpuClock`
+    registered around it: microseconds per step, the median segment's and the whole window's
+    (wall clock), and the median segment's CPU time."""
     engine = engine_bench()
-    steps = args.overhead_steps
-    probe = engine.Probe(
-        str(config.with_suffix(".probe.json")), args.overhead_warmup, steps, args.overhead_segment
-    )
-    handle = register_optimizer_step_post_hook(probe)
+    timing = (args.overhead_warmup, args.overhead_steps, args.overhead_segment)
+    probe = engine.Probe(str(config.with_suffix(".probe.json")), *timing)
+    clock = CpuClock(*timing)
+    handles = [register_optimizer_step_post_hook(hook) for hook in (probe, clock)]
     try:
         with engine.stderr_to(log):
             if side == "engine":
                 train_in_place(load_config(config))
             else:
-                plain_loop(args.overhead_warmup + steps, args.overhead_batch)
+                plain_loop(args.overhead_warmup + args.overhead_steps, args.overhead_batch)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     record = probe.record
     return {
         "us_per_step": statistics.median(record["segments"]) / record["segment"] * 1e6,
         "window_us_per_step": record["seconds"] / record["steps"] * 1e6,
+        "cpu_us_per_step": clock.us_per_step(),
     }
 
 
@@ -534,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
                     runs, "us_per_step", "engine", "plain", operator.sub
                 ),
                 "engine_vs_plain": compare(runs, "us_per_step", "engine", "plain"),
+                "cpu_us_per_step": medians(runs, "cpu_us_per_step"),
+                "cpu_engine_minus_plain_us": compare(
+                    runs, "cpu_us_per_step", "engine", "plain", operator.sub
+                ),
                 "runs": runs,
             }
     result["machine"]["load_average_1min"] = {"before": load_before[0], "after": os.getloadavg()[0]}
@@ -619,6 +649,16 @@ def table(r: dict[str, Any]) -> str:
                 f"{us['plain']:.0f}",
                 f"{spread(o['engine_vs_plain'])}; the engine's own: "
                 f"{own['median']:.0f} us [{own['min']:.0f}, {own['max']:.0f}]",
+            )
+        )
+        cpu, cpu_own = o["cpu_us_per_step"], o["cpu_engine_minus_plain_us"]
+        rows.append(
+            (
+                "the same, CPU time of the process",
+                f"{cpu['engine']:.0f}",
+                f"{cpu['plain']:.0f}",
+                f"the engine's own: {cpu_own['median']:.0f} us "
+                f"[{cpu_own['min']:.0f}, {cpu_own['max']:.0f}]",
             )
         )
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
