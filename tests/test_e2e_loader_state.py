@@ -36,7 +36,9 @@ def sampler(kind: str, size: int) -> Any:
 
 def loader(source: Any, workers: int) -> Any:
     options = LoaderConfig(num_workers=workers, prefetch_factor=4 if workers else None)
-    return data_loader(Indices(200), source, 5, options, device=torch.device("cpu"), seed=0, rank=1, world_size=2)
+    return data_loader(
+        Indices(200), source, 5, options, device=torch.device("cpu"), seed=0, rank=1, world_size=2
+    )
 
 
 @pytest.mark.parametrize("kind", ["tensor", "multitask"])
