@@ -404,17 +404,21 @@ class MergeTree:
     def _split(
         self, level: int, node: torch.Tensor | int, begin: torch.Tensor, end: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """How many of a node's first ``begin`` and first ``end`` samples its left half gives."""
-        a, n = self.left[level][node], self.total[level][node]
-        half, whole = n // 2, torch.as_tensor(n).clamp(min=1)
-        return (begin * a + half) // whole, (end * a + half) // whole
+        """How many of a node's first ``begin`` and first ``end`` samples its left half gives
+        (one node, ``node`` an int: numbers, not a gather a position)."""
+        if isinstance(node, int):
+            a, n = int(self.left[level][node]), int(self.total[level][node])
+            return (begin * a + n // 2) // max(n, 1), (end * a + n // 2) // max(n, 1)
+        left, total = self.left[level][node], self.total[level][node]
+        half, whole = total // 2, total.clamp(min=1)
+        return (begin * left + half) // whole, (end * left + half) // whole
 
     def find(
         self, begin: torch.Tensor, end: torch.Tensor, at: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The task of position ``at`` of each block ``[begin, end)`` of the stream sorted by
         task, and which of the task's samples of the epoch it is."""
-        node = torch.zeros_like(at)
+        node: torch.Tensor | int = 0  # every position starts at the root
         for level in range(self.depth):
             left_begin, left_end = self._split(level, node, begin, end)
             inside = left_end - left_begin
@@ -422,8 +426,8 @@ class MergeTree:
             at = torch.where(right, at - inside, at)
             begin = torch.where(right, begin - left_begin, left_begin)
             end = torch.where(right, end - left_end, left_end)
-            node = node * 2 + right
-        return node, begin + at
+            node = right + node * 2
+        return torch.as_tensor(node).expand_as(at), begin + at
 
     def rotation(self, begin: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         """For each block ``[begin, end)``, where the anchor task's samples start in the block
