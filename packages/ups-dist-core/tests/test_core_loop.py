@@ -10,7 +10,7 @@ import torch
 
 from ups.core import ConfigError, load_config, load_plugins, train
 from ups.core.optim import OPTIMIZERS, SCHEDULERS
-from ups.core.testing import read_checkpoint, tiny_project
+from ups.core.testing import assert_params_close, read_checkpoint, tiny_project
 from ups.core.validate import TORCH_NAMES, validate
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pde_multitask.py"
@@ -24,17 +24,11 @@ def final_params(folder: Path, nproc: int, **sections: dict[str, Any]) -> dict[s
     return read_checkpoint(result.checkpoint)["state"]["model"]  # type: ignore[no-any-return]
 
 
-def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
-
-
 @pytest.mark.slow
 def test_two_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path: Path) -> None:
     two = final_params(tmp_path / "a", 2, training={"batch_size": 4, "epochs": 2})
     one = final_params(tmp_path / "b", 1, training={"batch_size": 8, "epochs": 2})
-    assert_close(two, one)
+    assert_params_close(two, one)
 
 
 def test_accumulation_of_k_batches_equals_one_batch_of_k_b_with_clipping(tmp_path: Path) -> None:
@@ -43,12 +37,12 @@ def test_accumulation_of_k_batches_equals_one_batch_of_k_b_with_clipping(tmp_pat
         tmp_path / "a", 1, training={"batch_size": 4, "accumulation_steps": 4, **clip}
     )
     big = final_params(tmp_path / "b", 1, training={"batch_size": 16, **clip})
-    assert_close(accumulated, big)
+    assert_params_close(accumulated, big)
     untouched = final_params(
         tmp_path / "c", 1, training={"batch_size": 16, **clip, "grad_clip_norm": None}
     )
     with pytest.raises(AssertionError):
-        assert_close(untouched, big)  # the clipping did something
+        assert_params_close(untouched, big)  # the clipping did something
 
 
 @pytest.mark.slow
@@ -61,7 +55,7 @@ def test_accumulation_on_two_ranks_with_static_graph_equals_one_big_batch(tmp_pa
         distributed={"static_graph": True, "gradient_as_bucket_view": True},
     )
     one = final_params(tmp_path / "b", 1, training={"batch_size": 16, **clip})
-    assert_close(ddp, one)
+    assert_params_close(ddp, one)
 
 
 def test_an_uneven_last_group_is_averaged_over_its_own_micro_batches(tmp_path: Path) -> None:

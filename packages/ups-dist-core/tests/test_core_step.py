@@ -13,7 +13,7 @@ import yaml
 
 from ups.core import ConfigError, Step, StepError, load_config, load_plugins, train
 from ups.core.batches import BatchError
-from ups.core.testing import assert_bitwise_equal, read_checkpoint
+from ups.core.testing import assert_bitwise_equal, assert_params_close, read_checkpoint
 from ups.core.validate import validate
 
 STEP_MODULE = '''
@@ -136,17 +136,11 @@ def final(path: Path, nproc: int = 1, overrides: tuple[str, ...] = ()) -> tuple[
     return result, state["model"]
 
 
-def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
-
-
 @pytest.mark.slow
 def test_two_ranks_of_b_equal_one_process_of_2b_with_a_custom_step(tmp_path: Path) -> None:
     two, two_model = final(project(tmp_path / "a", training={"batch_size": 4}), nproc=2)
     one, one_model = final(project(tmp_path / "b", training={"batch_size": 8}))
-    assert_close(two_model, one_model)
+    assert_params_close(two_model, one_model)
     # per-task losses and per-sample metrics, aggregated over the ranks, as one process has them
     keys = ["loss", "loss/t0", "loss/t1", "mae", "mae/t0", "mae/t1", "max_err"]
     assert len(two.metrics) == len(one.metrics) == 8
@@ -161,7 +155,7 @@ def test_accumulation_of_k_batches_equals_one_batch_of_k_b(tmp_path: Path) -> No
         project(tmp_path / "a", training={"batch_size": 4, "accumulation_steps": 4, **clip})
     )
     _, big = final(project(tmp_path / "b", training={"batch_size": 16, **clip}))
-    assert_close(accumulated, big)
+    assert_params_close(accumulated, big)
 
 
 def test_the_built_in_step_reads_dict_batches_without_code(tmp_path: Path) -> None:
@@ -171,7 +165,7 @@ def test_the_built_in_step_reads_dict_batches_without_code(tmp_path: Path) -> No
     path = project(tmp_path / "a", step=builtin, metrics={"reduce": {}})
     result, model = final(path)
     custom_result, custom = final(project(tmp_path / "b"))
-    assert_close(model, custom)
+    assert_params_close(model, custom)
     assert result.metrics[-1]["loss/t1"] == pytest.approx(custom_result.metrics[-1]["loss/t1"])
 
 

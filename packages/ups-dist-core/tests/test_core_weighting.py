@@ -23,7 +23,7 @@ from ups.core import Config, RunContext, SamplerPlugin, StepError, config_from_m
 from ups.core.engine import train
 from ups.core.plugins import AUTOLOAD_ENV, load_plugins
 from ups.core.stepping import Stepper
-from ups.core.testing import read_checkpoint, run_ranks
+from ups.core.testing import assert_params_close, read_checkpoint, run_ranks
 
 FACTORIES = Path(__file__).resolve().with_name("weighing_factories.py")
 """The model, data and steps of the runs here."""
@@ -135,9 +135,7 @@ def alone(configs: list[Config]) -> list[Params]:
 def assert_close(found: list[Params], expected: list[Params]) -> None:
     assert len(found) == len(expected)
     for a, b in zip(found, expected, strict=True):
-        assert a.keys() == b.keys()
-        for name in a:
-            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
+        assert_params_close(a, b)
 
 
 @st.composite

@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from ups.core import train
-from ups.core.testing import read_checkpoint, tiny_project
+from ups.core.testing import assert_params_close, read_checkpoint, tiny_project
 
 TASKS_MODULE = '''
 import torch
@@ -81,12 +80,6 @@ def final_params(folder: Path, nproc: int, batch: int, **sections: Any) -> dict[
     return read_checkpoint(result.checkpoint)["state"]["model"]  # type: ignore[no-any-return]
 
 
-def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
-
-
 @pytest.mark.parametrize("options", MIXINGS, ids=[o["mixing"] for o in MIXINGS])
 def test_two_ranks_of_b_train_as_one_process_of_2b_with_multitask(
     tmp_path: Path, options: dict[str, Any]
@@ -94,7 +87,7 @@ def test_two_ranks_of_b_train_as_one_process_of_2b_with_multitask(
     sampler = {"name": "multitask", "options": options}
     two = final_params(tmp_path / "two", 2, 8, sampler=sampler)
     one = final_params(tmp_path / "one", 1, 16, sampler=sampler)
-    assert_close(two, one)
+    assert_params_close(two, one)
 
 
 def test_a_random_transform_draws_the_same_numbers_on_any_number_of_ranks(
@@ -105,10 +98,10 @@ def test_a_random_transform_draws_the_same_numbers_on_any_number_of_ranks(
     workers = {"options": {"noise": 0.3}, "loader": {"num_workers": 2}}
     two = final_params(tmp_path / "two", 2, 8, sampler=sampler, data=workers)
     one = final_params(tmp_path / "one", 1, 16, sampler=sampler, data=noisy)
-    assert_close(two, one)
+    assert_params_close(two, one)
     torch_two = final_params(tmp_path / "torch-two", 2, 8, data=noisy)  # torch's sampler too
     torch_one = final_params(tmp_path / "torch-one", 1, 16, data=noisy)
-    assert_close(torch_two, torch_one)
+    assert_params_close(torch_two, torch_one)
     quiet = final_params(tmp_path / "quiet", 1, 16, sampler=sampler)
     with pytest.raises(AssertionError):
-        assert_close(quiet, one)  # the noise is there
+        assert_params_close(quiet, one)  # the noise is there

@@ -252,6 +252,18 @@ def read_checkpoint(location: str | os.PathLike[str]) -> dict[str, Any]:
     return {"state": torch.load(folder / STATE_FILE, weights_only=True), "ranks": ranks}
 
 
+def assert_params_close(
+    found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], atol: float = 1e-6
+) -> None:
+    """Assert that two models' parameters (name to tensor, as a checkpoint's ``model``) have
+    the same names and differ by at most ``atol`` each, absolutely: the equivalence the
+    engine promises (N ranks as one process, k micro-batches as one batch) in fp32. The
+    message names the first parameter that differs."""
+    assert found.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(found[name], expected[name], rtol=0, atol=atol, msg=name)
+
+
 def assert_bitwise_equal(found: Any, expected: Any, where: str = "state") -> None:
     """Assert that two states are equal to the bit: the same container types and keys, and
     tensors of the same dtype, shape and bytes (so NaN equals NaN, and -0.0 differs from 0.0).
