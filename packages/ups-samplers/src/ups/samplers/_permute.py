@@ -17,9 +17,6 @@ import torch
 MASK31 = 2**31 - 1
 ROUNDS = 4
 CHUNK = 1 << 16
-RUNS = 64
-"""Salts given per position in at most this many runs are shuffled run by run, each with the
-round keys of one permutation (numbers, not a key per position: about half the work)."""
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
@@ -52,14 +49,6 @@ def shuffled(
     constants = round_constants(seed)
     bits = max(size - 1, 0).bit_length()
     every_salt = torch.as_tensor(salt, dtype=torch.int64)
-    if every_salt.dim() and len(every_salt):
-        salts, runs = torch.unique_consecutive(every_salt, return_counts=True)
-        if len(salts) <= RUNS:  # a few runs of one permutation each (passes in order)
-            pieces = torch.split(where, runs.tolist())
-            parts = [
-                shuffled(piece, size, seed, int(s)) for piece, s in zip(pieces, salts, strict=True)
-            ]
-            return torch.cat(parts)
     out = torch.empty(len(where), dtype=torch.int64)
     for start in range(0, len(where), CHUNK):  # a chunk's temporaries stay in the cache
         value = where[start : start + CHUNK].to(torch.int64)
