@@ -10,8 +10,8 @@ Two things make that so:
   in order as it consumes batches (:meth:`Epoch.__next__`), so a checkpoint holds the state of
   the last batch a step took. Any sampler with ``state_dict`` gets this, not only ups's.
 - **Data-side randomness is seeded per sample,** from ``(run.seed, epoch, place)``, the
-  sample's place in the epoch (:func:`places`: from the sampler, for one whose global stream
-  does not depend on the world size, as ups's samplers' and torch's do), in the worker that
+  sample's place in the epoch (the sampler's ``places``, or counted as torch's sampler deals:
+  :meth:`StepBatches._places`), the same on any number of ranks, in the worker that
   reads it (or, without workers, around the read, the training RNG untouched): a random
   transform in ``__getitem__`` draws the same numbers whatever ``num_workers``, whether the
   workers persist, after a resume mid-epoch, and on any number of ranks.
