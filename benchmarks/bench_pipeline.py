@@ -247,16 +247,20 @@ def plain_loop(steps: int, batch: int) -> None:
                 return
 
 
-def overhead_config(folder: Path, args: argparse.Namespace) -> Path:
-    """One process, :func:`mlp` on :func:`vectors`, as :func:`plain_loop` trains it."""
+def one_process_config(
+    folder: Path, name: str, model: dict[str, Any], data: dict[str, Any], steps: int, batch: int
+) -> Path:
+    """Write ``folder/<name>.yaml``: one process training ``model`` on ``data`` for ``steps``
+    steps of ``batch`` (AdamW, MSE, torch's sampler, no checkpoint but the last), as both of
+    this file's comparisons run the engine; return its path."""
     config = {
-        "run": {"name": "overhead", "seed": 0, "output_dir": str(folder / "runs"), "log_every": 10},
-        "model": {"factory": f"{HERE}:mlp"},
-        "data": {"factory": f"{HERE}:vectors"},
+        "run": {"name": name, "seed": 0, "output_dir": str(folder / "runs"), "log_every": 10},
+        "model": model,
+        "data": data,
         "training": {
             "epochs": 10**6,
-            "max_steps": args.overhead_warmup + args.overhead_steps,
-            "batch_size": args.overhead_batch,
+            "max_steps": steps,
+            "batch_size": batch,
             "lr": 0.001,
             "optimizer": "adamw",
             "loss": "mse",
@@ -265,9 +269,21 @@ def overhead_config(folder: Path, args: argparse.Namespace) -> Path:
         "sampler": {"name": "torch", "options": {"shuffle": True}},
         "checkpoint": {"name": "simple", "every_steps": None},
     }
-    path = folder / "overhead.yaml"
+    path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def overhead_config(folder: Path, args: argparse.Namespace) -> Path:
+    """One process, :func:`mlp` on :func:`vectors`, as :func:`plain_loop` trains it."""
+    return one_process_config(
+        folder,
+        "overhead",
+        {"factory": f"{HERE}:mlp"},
+        {"factory": f"{HERE}:vectors"},
+        args.overhead_warmup + args.overhead_steps,
+        args.overhead_batch,
+    )
 
 
 class CpuClock:
@@ -363,36 +379,21 @@ def loader_configs(folder: Path, args: argparse.Namespace, h5: Path) -> dict[str
             loader = {"num_workers": args.workers, "persistent_workers": True}
             if args.mp_context != "default":
                 loader["multiprocessing_context"] = args.mp_context
-        config = {
-            "run": {
-                "name": side,
-                "seed": 0,
-                "output_dir": str(folder / "runs"),
-                "log_every": 10,
-            },
-            "model": {
+        path = one_process_config(
+            folder,
+            side,
+            {
                 "factory": f"{HERE}:tiny_model",
                 "options": {"probe": {**probe, "out": str(folder / f"{side}.probe.json")}},
             },
-            "data": {
+            {
                 "factory": f"{HERE}:h5_dataset",
                 "options": {"path": str(h5), "iters": args.transform_iters},
                 "loader": loader,
             },
-            "training": {
-                "epochs": 10**6,
-                "max_steps": args.loader_warmup + args.loader_steps,
-                "batch_size": args.batch,
-                "lr": 0.001,
-                "optimizer": "adamw",
-                "loss": "mse",
-            },
-            "distributed": {"enabled": "auto", "backend": "gloo", "nproc": 1},
-            "sampler": {"name": "torch", "options": {"shuffle": True}},
-            "checkpoint": {"name": "simple", "every_steps": None},
-        }
-        path = folder / f"{side}.yaml"
-        path.write_text(yaml.safe_dump(config))
+            args.loader_warmup + args.loader_steps,
+            args.batch,
+        )
         paths[side] = path
     return paths
 
