@@ -17,12 +17,17 @@ import torch.distributed as dist
 from .context import RunContext
 from .errors import ConfigError
 
+HELD = 32
+"""Batches of per-sample losses a :class:`LossWindow` holds before adding them to its sums."""
+
 
 class LossWindow:
     """Per-task loss sums and counts since the last report, on this rank.
 
     A column per task, and one more for losses given as a batch's mean (a step whose loss is
-    not per sample), which count in ``loss`` but in no ``loss/<task>``.
+    not per sample), which count in ``loss`` but in no ``loss/<task>``. Per-sample losses are
+    held as they come and added :data:`HELD` batches at a time: a few tensor operations every
+    ``HELD`` steps rather than every step.
     """
 
     def __init__(self, tasks: Sequence[str], device: torch.device) -> None:
@@ -32,6 +37,7 @@ class LossWindow:
         self.tasks = tuple(tasks) or ("all",)
         self._sums = torch.zeros(2, len(self.tasks) + 1, dtype=torch.float64, device=device)
         self._ids = TaskIds(len(self.tasks))
+        self._held: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def add(self, per_sample: torch.Tensor, task_ids: torch.Tensor | None) -> None:
         """Add a batch's per-sample losses (detached), each to its task; without declared
@@ -39,8 +45,24 @@ class LossWindow:
 
         :raises ConfigError: (on the first batch) when a task id has no name in ``data.tasks``.
         """
-        losses = per_sample.detach().to(torch.float64)
-        ids = self._ids.index(task_ids, losses)
+        losses = per_sample.detach()
+        if task_ids is not None and self._ids.tasks > 1 and not self._ids.checked:
+            self._ids.index(task_ids, losses)  # raises here, at the first batch
+        self._held.append((losses, task_ids))
+        if len(self._held) == HELD:
+            self._add_held()
+
+    def _add_held(self) -> None:
+        """Add the held batches' losses to the sums, each to its task."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        losses = torch.cat([batch.reshape(-1) for batch, _ in held]).to(torch.float64)
+        if self._ids.tasks == 1:
+            self._sums[0, 0] += losses.sum()
+            self._sums[1, 0] += len(losses)
+            return
+        ids = torch.cat([self._ids.index(task_ids, batch) for batch, task_ids in held])
         self._sums[0].index_add_(0, ids, losses)
         self._sums[1].index_add_(0, ids, torch.ones_like(losses))
 
@@ -51,11 +73,13 @@ class LossWindow:
 
     def finite(self) -> bool:
         """Whether every loss added since the last report was finite (a host sync)."""
+        self._add_held()
         return bool(torch.isfinite(self._sums).all())
 
     def report(self, ctx: RunContext) -> PendingReport:
         """Start aggregating the window over all ranks (an all-reduce, not waited for) and
         start a new window. A collective: every rank calls it at the same step."""
+        self._add_held()
         sums = self._sums.clone()
         self._sums.zero_()
         work = dist.all_reduce(sums, async_op=True) if ctx.distributed else None
@@ -96,7 +120,8 @@ class TaskIds:
 
     def __init__(self, tasks: int) -> None:
         self.tasks = tasks
-        self._checked = False
+        self.checked = False
+        """Whether a batch's ids were checked (the first batch's are)."""
 
     def index(self, task_ids: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
         """The column of each of ``values`` (every sample in column 0 with one task or none).
@@ -107,8 +132,8 @@ class TaskIds:
         if task_ids is None or self.tasks == 1:
             return torch.zeros(len(values), dtype=torch.long, device=values.device)
         ids = task_ids.to(values.device, torch.long).reshape(-1)
-        if not self._checked:  # one host sync, on the first batch only
-            self._checked = True
+        if not self.checked:  # one host sync, on the first batch only
+            self.checked = True
             if len(ids) != len(values):
                 raise ConfigError(
                     "step.task",

@@ -1,0 +1,103 @@
+"""The loader's per-sample seeding: which global generators ``data.loader.reseed`` seeds, the
+same numbers with or without workers, the training's generators left as they were, and nothing
+done to CUDA's."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import numpy
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.data import Dataset, DistributedSampler
+
+from ups.core.config import LoaderConfig
+from ups.core.loader import Epoch, data_loader, place_seed
+
+GENERATORS = ("torch", "python", "numpy")
+
+
+class Draws(Dataset[dict[str, torch.Tensor]]):
+    """Each sample draws one number from each global generator."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {
+            "index": torch.tensor(index),
+            "torch": torch.rand(()),
+            "python": torch.tensor(random.random()),
+            "numpy": torch.tensor(numpy.random.rand()),
+        }
+
+
+def drawn(reseed: tuple[str, ...], workers: int, epoch: int = 1) -> dict[str, dict[int, float]]:
+    """Each generator's number for each sample index, read in batches of 5 by one rank of 2."""
+    options = LoaderConfig(num_workers=workers, reseed=reseed)  # type: ignore[arg-type]
+    sampler = DistributedSampler(range(24), num_replicas=2, rank=1, seed=3)
+    sampler.set_epoch(epoch)
+    loader = data_loader(
+        Draws(), sampler, 5, options, device=torch.device("cpu"), seed=7, rank=1, world_size=2
+    )
+    loader.batch_sampler.epoch = epoch  # type: ignore[union-attr]
+    numbers: dict[str, dict[int, float]] = {name: {} for name in GENERATORS}
+    for batch in Epoch(loader):
+        for name in GENERATORS:
+            numbers[name].update(zip(batch["index"].tolist(), batch[name].tolist(), strict=True))
+    return numbers
+
+
+@pytest.mark.parametrize(
+    "reseed", [(), ("torch",), ("python", "numpy"), GENERATORS], ids=lambda r: "+".join(r) or "none"
+)
+def test_the_generators_reseed_names_draw_the_same_with_or_without_workers(
+    reseed: tuple[str, ...],
+) -> None:
+    seed_all(0)
+    alone, workers = drawn(reseed, workers=0), drawn(reseed, workers=2)
+    for name in reseed:
+        assert alone[name] == workers[name], name
+        assert len(set(alone[name].values())) == len(alone[name])  # a number per sample
+        assert drawn(reseed, workers=0, epoch=2)[name] != alone[name]  # and per epoch
+    for name in set(GENERATORS) - set(reseed):
+        seed_all(1)
+        assert drawn(reseed, workers=0)[name] != alone[name], f"{name} was seeded"
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy.random.seed(seed)
+
+
+def test_reading_leaves_the_training_generators_as_they_were() -> None:
+    seed_all(5)
+    expected = (torch.rand(3).tolist(), random.random(), numpy.random.rand())
+    seed_all(5)
+    drawn(GENERATORS, workers=0)
+    assert (torch.rand(3).tolist(), random.random(), numpy.random.rand()) == expected
+
+
+def test_reading_seeds_no_cuda_generator() -> None:
+    # torch.manual_seed also seeds every CUDA generator: on a rank where CUDA is not yet
+    # initialised, each call queues the seeding with a recorded stack (hundreds of
+    # microseconds), and on one where it is, it reseeds the training's CUDA generators.
+    queued: list[Any] = getattr(torch.cuda, "_queued_calls", [])
+    before = len(queued)
+    drawn(GENERATORS, workers=0)
+    assert len(queued) == before
+
+
+@given(st.integers(0, 2**63 - 1), st.integers(0, 2**40))
+def test_a_place_seed_is_a_63_bit_seed_unrelated_to_its_neighbours(base: int, place: int) -> None:
+    seeds = [place_seed(base, place + i) for i in range(64)]
+    assert all(0 <= seed < 2**63 for seed in seeds)
+    assert len(set(seeds)) == len(seeds)
+    # neighbouring places differ in about half their bits
+    flipped = [bin(a ^ b).count("1") for a, b in itertools.pairwise(seeds)]
+    assert 20 < sum(flipped) / len(flipped) < 43
