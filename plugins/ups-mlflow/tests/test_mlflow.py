@@ -153,6 +153,34 @@ def test_a_killed_run_resumed_continues_its_mlflow_run(
     assert logged(store, run) == want
 
 
+@pytest.mark.slow  # an `ups train --nproc 2` process
+def test_a_run_killed_after_reporting_past_its_checkpoint_holds_each_step_once(
+    store: MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UPS_BLOCK_PLUGINS", "tensorboard,wandb")
+    # rank 0 dies in step 8, after the checkpoint of step 4 and the report of step 6; the
+    # agent restarts both ranks, which resume from step 4 and report step 6 again
+    monkeypatch.setenv("UPS_FAULTS", "kill@0:8")
+    name = experiment(store, tmp_path)
+    config = tiny_project(
+        tmp_path,
+        training={"epochs": 3},
+        checkpoint={"every_steps": 4},
+        plugins={"mlflow": {"tracking_uri": store.tracking_uri, "experiment": name}},
+    )
+    done = run_ups("train", str(config), "--nproc=2", "--max-restarts=1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = the_run(store, name)  # the killed attempt's MLflow run deleted
+    run_dir = tmp_path / "runs" / "tiny"
+    history = logged(store, run)
+    assert [step for step, _ in history["train/loss"]] == [2, 4, 6, 8, 10, 12]
+    assert history == tracker_metrics(run_dir)
+    assert run.info.status == "FINISHED"
+    assert json.loads((run_dir / ID_FILE).read_text())["run_id"] == run.info.run_id
+    replaced = [line for line in done.stderr.splitlines() if "held steps after step 4" in line]
+    assert len(replaced) == 1, done.stderr[-3000:]
+
+
 @pytest.mark.slow  # an `ups train` process
 def test_a_dead_tracking_server_costs_one_warning_and_no_training(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -6,7 +6,11 @@ Rank 0 alone logs, into one MLflow run per training run, when the config has a
 and evaluation as metrics ``train/NAME`` and ``eval/NAME`` at their optimizer step, the run's
 name and tags, and at the end the summary (tags ``ups.*``, ``summary.txt``) and the report's
 figure (``report.png``) as artifacts. The MLflow run's id is kept in ``RUN_DIR/mlflow.json``:
-a run that resumes from a checkpoint continues the same MLflow run.
+a run that resumes from a checkpoint continues the same MLflow run, which then holds each step
+once. An MLflow run cannot forget a value, so when the interrupted attempt logged steps after
+the checkpoint (which the resumed run reports again), a new MLflow run takes the old one's
+history up to the checkpoint (with its timestamps), the params and tags, and the old one is
+deleted (MLflow keeps deleted runs restorable until ``mlflow gc``); one line says so.
 
 MLflow failing (a bad URI, a server down) never stops training: one warning, and the plugin
 logs nothing more for the run; the metrics stay in ``metrics.jsonl``.
@@ -25,7 +29,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 import structlog
 
-from ups.core import Config, SectionPlugin, TrainResult, hookimpl, write_report
+from ups.core import (
+    Config,
+    SectionPlugin,
+    TrainResult,
+    UsageError,
+    hookimpl,
+    read_metrics,
+    write_report,
+)
 
 if TYPE_CHECKING:  # ups.core.context imports torch; every `ups` command imports this module
     from ups.core import RunContext
@@ -43,6 +55,8 @@ PARAMS_PER_CALL = 100
 """The most params MLflow takes in one ``log_batch``."""
 PARAM_LENGTH = 6000
 """The longest param value MLflow stores; a longer one (a long schedule) is cut there."""
+METRICS_PER_CALL = 1000
+"""The most metrics MLflow takes in one ``log_batch``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -84,7 +98,9 @@ class MlflowTracker:
         self.config: Config | None = None
         """The run's config while the tracker logs (rank 0, with a ``plugins.mlflow`` section)."""
         self.options = MlflowOptions()
-        self.resumed = False
+        self.resumed_at: int | None = None
+        """When the run resumed from a checkpoint: the last step ``metrics.jsonl`` kept (-1:
+        none); what the MLflow run holds after it is the interrupted attempt's."""
         self.client: Any = None
         self.run_id = ""
 
@@ -93,7 +109,16 @@ class MlflowTracker:
         active = ctx.is_main and "mlflow" in config.plugins
         self.config = config if active else None
         self.options = config.section(MlflowOptions, "mlflow") if active else MlflowOptions()
-        self.resumed, self.client, self.run_id = False, None, ""
+        self.resumed_at, self.client, self.run_id = None, None, ""
+
+    def resume(self) -> None:
+        """The run resumes from a checkpoint (``metrics.jsonl`` holds the reports up to it):
+        note its last step."""
+        if self.config is not None:
+            try:
+                self.resumed_at = max(r["step"] for r in read_metrics(self.config.run_dir))
+            except UsageError:  # no report was made before the checkpoint
+                self.resumed_at = -1
 
     def metrics(
         self, kind: Literal["train", "eval"], step: int, values: Mapping[str, float]
@@ -154,20 +179,44 @@ class MlflowTracker:
             self.config = None
 
     def _open(self, config: Config) -> None:
-        """Continue the run folder's MLflow run when resuming, else start one."""
+        """Continue the run folder's MLflow run when resuming, else start one; replace it when
+        it holds steps after the checkpoint (see the module doc)."""
         import mlflow
 
         for name, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
         uri = self.options.tracking_uri or mlflow.get_tracking_uri()
         self.client = mlflow.MlflowClient(uri)
-        id_file = config.run_dir / ID_FILE
-        kept = _read_id(id_file)
-        if self.resumed and kept and kept.get("tracking_uri") == uri:
-            self.run_id = kept["run_id"]
+        kept = _read_id(config.run_dir / ID_FILE)
+        if self.resumed_at is None or not kept or kept.get("tracking_uri") != uri:
+            self._create(config, uri)
+            return
+        old = kept["run_id"]
+        history = [
+            point
+            for key in self.client.get_run(old).data.metrics
+            for point in self.client.get_metric_history(old, key)
+        ]
+        if all(point.step <= self.resumed_at for point in history):
+            self.run_id = old
             self.client.update_run(self.run_id, status="RUNNING")
             log.info("mlflow run continued", run_id=self.run_id, tracking_uri=uri)
             return
+        self._create(config, uri)
+        history = [point for point in history if point.step <= self.resumed_at]
+        for first in range(0, len(history), METRICS_PER_CALL):
+            batch = history[first : first + METRICS_PER_CALL]
+            self.client.log_batch(self.run_id, metrics=batch)
+        self.client.delete_run(old)
+        log.info(
+            f"mlflow run {old} held steps after step {self.resumed_at}, which the resumed run "
+            f"reports again: replaced by {self.run_id} (its history up to there copied), deleted",
+            run_id=self.run_id,
+            deleted=old,
+        )
+
+    def _create(self, config: Config, uri: str) -> None:
+        """Start a new MLflow run, log the params, and keep its id in the run folder."""
         experiment = self.client.get_experiment_by_name(self.options.experiment)
         experiment_id = (
             experiment.experiment_id
@@ -178,6 +227,7 @@ class MlflowTracker:
         tags |= {"ups.digest": config.digest()} | sweep_tags(os.environ)
         run = self.client.create_run(experiment_id, run_name=config.run.name, tags=tags)
         self.run_id = run.info.run_id
+        id_file = config.run_dir / ID_FILE
         id_file.parent.mkdir(parents=True, exist_ok=True)
         id_file.write_text(json.dumps({"run_id": self.run_id, "tracking_uri": uri}) + "\n")
         log.info("mlflow run started", run_id=self.run_id, tracking_uri=uri)
@@ -223,7 +273,7 @@ def ups_run_start(ctx: RunContext, config: Config) -> None:
 
 @hookimpl
 def ups_checkpoint_restore(ctx: RunContext) -> None:
-    _tracker.resumed = True
+    _tracker.resume()
 
 
 @hookimpl

@@ -5,7 +5,9 @@ The input is what rank 0 writes into the run folder (see :mod:`ups.core.rundir`)
 and ``config.yaml``, whose ``run.name`` titles the report. Every other key is optional, so
 files written by older engines (without ``samples_per_s``, say) report what they have.
 
-A resumed run appends to the same file, so a step can appear twice: the later line wins.
+A resumed run first drops the lines after its checkpoint (:func:`ups.core.rundir.keep_until`),
+so each step appears once; in a file an earlier ups wrote, a resumed step can appear twice:
+the later line wins.
 Plotting needs matplotlib (the ``report`` extra), imported only when a figure is drawn.
 """
 

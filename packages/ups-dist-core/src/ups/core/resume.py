@@ -24,6 +24,7 @@ from .errors import ConfigError, UsageError
 from .faults import FaultInjector
 from .records import Checkpointer, Loaded
 from .rng import rng_state
+from .rundir import keep_until
 from .schedule import Schedule
 
 log = structlog.get_logger()
@@ -191,13 +192,19 @@ class TrainingState:
 
     def resume(self) -> Resumed | None:
         """Restore the newest checkpoint, if any: the model, optimizer, scheduler, scaler,
-        schedule, sampler, the comm hook's and plugins' states; return where to go on."""
+        schedule, sampler, the comm hook's and plugins' states; return where to go on.
+
+        Rank 0 first drops the reports after the checkpoint from ``metrics.jsonl`` (all of
+        them without a checkpoint): the run reports those steps again, and the plugins
+        restored (:func:`~ups.core.hookspecs.ups_checkpoint_restore`) read one history."""
         loaded = self.checkpointer.load_latest()
         if loaded is None:
             log.info("no checkpoint to resume from: starting afresh")
+            self._supersede_after(0)
             return None
         state = Saved.from_dict(loaded.state, loaded.location)
         self._check_identity(loaded.step, state.identity)
+        self._supersede_after(loaded.step)
         self.model.load_state_dict(state.model)
         self.optimizer.load_state_dict(state.optimizer)
         if self.scheduler is not None:
@@ -229,6 +236,14 @@ class TrainingState:
         return Resumed(
             position=position, replay=replay, rng=(own or state).rng, location=loaded.location
         )
+
+    def _supersede_after(self, step: int) -> None:
+        """On rank 0, drop the reports after ``step`` from ``metrics.jsonl``
+        (:func:`~ups.core.rundir.keep_until`)."""
+        if self.ctx.is_main:
+            dropped = keep_until(self.config.run_dir, step)
+            if dropped:
+                log.info(f"metrics.jsonl: {dropped} lines after step {step} dropped", step=step)
 
     def _plugin_states(self) -> dict[str, Any]:
         """Every plugin's :func:`~ups.core.hookspecs.ups_checkpoint_state`, by key."""
