@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import logs
+from . import lifeline, logs
 from .config import (
     Config,
     DistributedConfig,
@@ -81,7 +81,8 @@ def run_processes(
     """Run ``fn(ctx, *args)`` on ``nproc`` local processes joined in one process group.
 
     ``fn`` and ``args`` must be picklable (``fn`` defined in an importable module, not in a
-    notebook cell). Returns rank 0's result.
+    notebook cell). Returns rank 0's result. The ranks end with this process, however it ends
+    (:mod:`ups.core.lifeline`).
 
     :raises torch.distributed.elastic.multiprocessing.errors.ChildFailedError: when a rank fails.
     """
@@ -103,6 +104,7 @@ def _worker(
 ) -> T:
     from .context import distributed_session
 
+    lifeline.watch_starter()  # first: a launcher already gone ends this rank here
     if environment is not None:  # started by run_processes
         from .forkserver import restore_environment
 
@@ -177,7 +179,8 @@ class _ReportedByUps(logging.Filter):
 
 def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: int = 0) -> None:
     """Run ``ups train CONFIG`` on ``nproc`` local processes under one elastic agent, which
-    restarts every rank after one fails, ``max_restarts`` times at most.
+    restarts every rank after one fails, ``max_restarts`` times at most. Each rank ends with
+    this process, however it ends (:mod:`ups.core.lifeline`).
 
     :raises ChildFailedError: when a rank fails (after ``max_restarts`` restarts).
     """
@@ -186,9 +189,13 @@ def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: i
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     if not any(isinstance(f, _ReportedByUps) for f in agent_log.filters):
         agent_log.addFilter(_ReportedByUps())
-    elastic_launch(_launch_config(nproc, max_restarts), sys.executable)(
-        *train_args(config, overrides)
-    )
+    os.environ[lifeline.LAUNCHER] = str(os.getpid())  # in the environment the agent gives ranks
+    try:
+        elastic_launch(_launch_config(nproc, max_restarts), sys.executable)(
+            *train_args(config, overrides)
+        )
+    finally:
+        del os.environ[lifeline.LAUNCHER]
 
 
 def free_port() -> int:
