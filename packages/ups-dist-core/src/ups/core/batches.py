@@ -42,6 +42,9 @@ def batch_size(batch: Any) -> int:
 
     :raises BatchError: when the batch holds no tensor with a dimension.
     """
+    first = batch[0] if isinstance(batch, list | tuple) and batch else batch
+    if isinstance(first, torch.Tensor) and first.dim() > 0:  # a tensor, or one first in line
+        return int(first.shape[0])
     for tensor in tensors(batch):
         if tensor.dim() > 0:
             return int(tensor.shape[0])

@@ -21,7 +21,6 @@ Two things make that so:
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import itertools
 import math
@@ -37,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_
 from .config import FactoryConfig, LoaderConfig
 from .errors import ConfigError
 from .imports import load_object
+from .lifeline import die_with_loader
 
 
 def build_dataset(section: FactoryConfig, key: str) -> Any:
@@ -181,33 +181,31 @@ class SeededData(Dataset[Any]):
         seeds = getattr(indices, "seeds", None)
         if seeds is None or not self._generators:
             return self._many(list(indices)) if self._many else [self.dataset[i] for i in indices]
-        with self._kept():
-            if self._many is not None:
-                self._seed(seeds[0])
-                return self._many(list(indices))
-            samples = []
-            for index, seed in zip(indices, seeds, strict=True):
-                self._seed(seed)
-                samples.append(self.dataset[index])
-            return samples
+        if get_worker_info() is not None:  # a worker's generators are its own
+            return self._seeded(indices, seeds)
+        # In the main process, the seeded generators are put back afterwards, so that reading
+        # data leaves the training's randomness as it was.
+        saved = [get_state() for _, get_state, _ in self._generators]
+        try:
+            return self._seeded(indices, seeds)
+        finally:
+            for (_, _, set_state), state in zip(self._generators, saved, strict=True):
+                set_state(state)
+
+    def _seeded(self, indices: list[int], seeds: list[int]) -> list[Any]:
+        """The samples at ``indices``, each read with the generators seeded by its seed."""
+        if self._many is not None:
+            self._seed(seeds[0])
+            return self._many(list(indices))
+        samples = []
+        for index, seed in zip(indices, seeds, strict=True):
+            self._seed(seed)
+            samples.append(self.dataset[index])
+        return samples
 
     def _seed(self, seed: int) -> None:
         for seed_with, _, _ in self._generators:
             seed_with(seed)
-
-    @contextlib.contextmanager
-    def _kept(self) -> Iterator[None]:
-        """In the main process, put the seeded generators back afterwards, so reading data
-        leaves the training's randomness as it was (a worker's are its own)."""
-        if get_worker_info() is not None:
-            yield
-            return
-        saved = [get_state() for _, get_state, _ in self._generators]
-        try:
-            yield
-        finally:
-            for (_, _, set_state), state in zip(self._generators, saved, strict=True):
-                set_state(state)
 
 
 class Epoch:
@@ -258,6 +256,7 @@ def data_loader(
             "persistent_workers": options.persistent_workers,
             "prefetch_factor": options.prefetch_factor,
             "multiprocessing_context": options.multiprocessing_context or platform_default,
+            "worker_init_fn": die_with_loader,  # a worker ends with its rank, even stuck
         }
     collate = options.collate and load_object(options.collate, "data.loader.collate")
     seeded = seed if options.reseed else None

@@ -44,6 +44,8 @@ from .watchdog import BACKWARD, DONE, STARTED, Watchdog
 log = structlog.get_logger()
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_OWN_CODE = contextlib.nullcontext()
+"""What runs ups's own code: the watchdog needs not be told."""
 
 Kind = Literal["samples", "count", "mean"]
 """What a step's ``loss`` returned: one loss per sample, ``(mean, count)``, or a 0-d mean."""
@@ -57,20 +59,28 @@ KIND_NAMES: dict[Kind, str] = {
 
 @attrs.frozen
 class Loss:
-    """A micro-batch's loss as its optimizer step weighs it: ``total`` adds up ``count``
+    """A micro-batch's loss as its optimizer step weighs it: :attr:`total` adds up ``count``
     items, each of which weighs the same in the step."""
 
-    total: torch.Tensor
-    """The per-sample losses' sum; ``mean * count`` for ``(mean, count)``; a 0-d mean itself."""
+    value: torch.Tensor
+    """What the step's ``loss`` gave: the per-sample losses, or a 0-d mean."""
     count: int
     """The samples; the count of ``(mean, count)``; 1 for a 0-d mean (its micro-batch then
     counts once, whatever its size)."""
     kind: Kind
 
     @property
+    def total(self) -> torch.Tensor:
+        """The per-sample losses' sum; ``mean * count`` for ``(mean, count)``; a 0-d mean."""
+        if self.kind == "samples":
+            return self.value.sum()
+        return self.value * self.count if self.kind == "count" else self.value
+
+    @property
     def mean(self) -> torch.Tensor:
-        """The micro-batch's mean loss: what a step of this micro-batch alone differentiates."""
-        return self.total / self.count
+        """The micro-batch's mean loss: what a step of this micro-batch alone differentiates
+        (one operation at most: the mean of per-sample losses)."""
+        return self.value.mean() if self.kind == "samples" else self.value
 
 
 @attrs.frozen
@@ -118,6 +128,9 @@ class Forward:
         own_loss = type(step).loss is not Step.loss or callable(_raw(step, "criterion"))
         self._forward_key = f"step.factory ({self.name}.forward)" if own_forward else None
         self._loss_key = f"step.factory ({self.name}.loss)" if own_loss else None
+        self._measured = type(step).metrics is not Step.metrics or _raw(step, "metric_fn")
+        """Whether the step has metrics to compute (the built-in one without a function has
+        none)."""
 
     def __call__(
         self, module: nn.Module, batch: Any, samples: int | None = None
@@ -127,21 +140,27 @@ class Forward:
         step = self.step
         batch = to_device(batch, self.ctx.device, non_blocking=self._non_blocking)
         with self.autocast():
-            with self.watchdog.calling(self._forward_key):
+            with self._calling(self._forward_key):
                 outputs = step.forward(module, batch)
-            with self.watchdog.calling(self._loss_key):
+            with self._calling(self._loss_key):
                 returned = step.loss(outputs, batch)
         if samples is None:
             samples = step.batch_size(batch)
         loss, counted, weight = self._checked(returned, samples)
-        with torch.no_grad(), self.watchdog.calling(self.metrics.key):
-            values = self.metrics.check(step.metrics(outputs, batch), samples)
+        values = {}
+        if self._measured:
+            with torch.no_grad(), self.watchdog.calling(self.metrics.key):
+                values = self.metrics.check(step.metrics(outputs, batch), samples)
         return loss, Taken(counted.detach(), samples, step.task_ids(batch), values, weight)
+
+    def _calling(self, key: str | None) -> contextlib.AbstractContextManager[Any]:
+        """The watchdog told that the user code ``key`` names runs (``None``: ups's own)."""
+        return _OWN_CODE if key is None else self.watchdog.calling(key)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's autocast (none for fp32)."""
         if self._precision == "fp32":
-            return contextlib.nullcontext()
+            return _OWN_CODE
         return torch.autocast(self.ctx.device.type, dtype=AUTOCAST_DTYPES[self._precision])
 
     def _checked(self, returned: Any, samples: int) -> tuple[Loss, torch.Tensor, int]:
@@ -159,9 +178,9 @@ class Forward:
             if loss.dim() == 0:
                 if count is None:
                     return Loss(loss, 1, "mean"), loss, weight
-                return Loss(loss * count, count, "count"), loss, weight
+                return Loss(loss, count, "count"), loss, weight
             if loss.dim() == 1 and len(loss) == samples and weight == samples:
-                return Loss(loss.sum(), samples, "samples"), loss, samples
+                return Loss(loss, samples, "samples"), loss, samples
         shape = (
             f"a tensor of shape {tuple(loss.shape)} ({loss.dtype})"
             if isinstance(loss, torch.Tensor)
@@ -266,6 +285,8 @@ class Weights:
             grads = [p.grad for p in parameters if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, self.reference / per_rank)
+        elif self.group == 1 and exact:  # N / W is this micro-batch's count: its mean
+            return loss.mean
         return loss.total / per_rank
 
 
