@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ups.core import CheckpointBackendPlugin, hookimpl, imported
+from ups.core import CheckpointBackendPlugin, hookimpl, imported, probe_checkpoints
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -59,18 +59,21 @@ def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
             name="local",
             factory=local_backend,
             options=imported("ups.ckpt.local:LocalCheckpointOptions"),
+            probe=probe_checkpoints,
             description="a folder per checkpoint, per-rank files, committed atomically",
         ),
         CheckpointBackendPlugin(
             name="sharded",
             factory=sharded_backend,
             options=imported("ups.ckpt.local:LocalCheckpointOptions"),
+            probe=probe_checkpoints,
             description="as local, each rank writing its share of the state with torch DCP",
         ),
         CheckpointBackendPlugin(
             name="fsspec",
             factory=fsspec_backend,
             options=imported("ups.ckpt.remote:FsspecCheckpointOptions"),
+            probe=imported("ups.ckpt._store:probe_store"),
             description="S3, GCS, Azure or a path through fsspec, committed by a manifest",
         ),
     ]

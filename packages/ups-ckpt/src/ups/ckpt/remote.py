@@ -53,7 +53,6 @@ from ups.core import (
     LATEST_FILE,
     CheckpointError,
     Committing,
-    ConfigError,
     FileRecord,
     RunContext,
     checksum,
@@ -61,6 +60,7 @@ from ups.core import (
     load,
 )
 
+from ._store import filesystem, store_url
 from .local import LocalCheckpointOptions
 
 log = structlog.get_logger()
@@ -107,9 +107,7 @@ class FsspecCheckpointer(Committing[str]):
         options: FsspecCheckpointOptions,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        url = options.url.rstrip("/")
-        if "://" not in url and not Path(url).is_absolute():
-            url = str(Path(directory) / url)
+        url = store_url(options.url, directory)
         super().__init__(
             ctx,
             group,
@@ -121,7 +119,7 @@ class FsspecCheckpointer(Committing[str]):
         self.options = options
         self.url = url
         """The URL the checkpoints are under, as locations and messages name them."""
-        self.fs, self.root = _filesystem(url, options.storage_options)
+        self.fs, self.root = filesystem(url, options.storage_options)
         self._swept = False
 
     # -- the store ----------------------------------------------------------------------------
@@ -236,30 +234,6 @@ class FsspecCheckpointer(Committing[str]):
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(f"{name}/{COMMIT_FILE}"))
         self.fs.rm(self._path(name), recursive=True)
-
-
-def _filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
-    """fsspec's filesystem for ``url`` and the path of ``url`` on it.
-
-    :raises ConfigError: when fsspec, or the implementation the URL's protocol needs, is not
-        installed.
-    """
-    try:
-        from fsspec.core import url_to_fs  # type: ignore[import-untyped]
-        from fsspec.utils import get_protocol  # type: ignore[import-untyped]
-    except ImportError:
-        raise ConfigError(
-            "checkpoint.options.url",
-            "the fsspec backend needs fsspec and s3fs: pip install 'ups-ckpt[fsspec]'",
-        ) from None
-    options = dict(storage_options)
-    if get_protocol(url) in ("file", "local"):
-        options.setdefault("auto_mkdir", True)  # a folder per checkpoint, made as files go in
-    try:
-        fs, root = url_to_fs(url, **options)
-    except (ImportError, ValueError, TypeError) as error:  # "Install s3fs to access S3", ...
-        raise ConfigError("checkpoint.options", f"{url}: {type(error).__name__}: {error}") from None
-    return fs, str(root).rstrip("/")
 
 
 def _basename(path: str) -> str:

@@ -15,15 +15,15 @@ from .lazy import imported, lazy_exports
 from .structure import above, at_least, structure  # eager: ``structure`` is a module's name too
 
 if TYPE_CHECKING:
-    from .builtins import SimpleCheckpointOptions
-    from .checkpoint_errors import CheckpointError, UnsafeCheckpointError
+    from .builtins import SimpleCheckpointOptions, probe_checkpoints
+    from .checkpoint_errors import CheckpointError, DiskFullError, UnsafeCheckpointError
     from .cli import EXIT_PREEMPTED
     from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
     from .commit import COMMIT_FILE, LATEST_FILE, Committed, Committing
     from .config import Config, config_from_mapping, load_config, read_yaml
     from .context import RunContext, distributed_session
     from .errors import ConfigError, UsageError, did_you_mean, one_of
-    from .files import fsync_dir, write_atomically
+    from .files import check_writable, fsync_dir, write_atomically
     from .launch import (
         AGENT_ENV,
         agent_args,
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         CheckpointBackendPlugin,
         Checkpointer,
         CheckpointFactory,
+        CheckpointProbe,
         CommandPlugin,
         CommHookPlugin,
         Launcher,
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "CheckpointError": ".checkpoint_errors",
+    "DiskFullError": ".checkpoint_errors",
     "UnsafeCheckpointError": ".checkpoint_errors",
     "Failure": ".collectives",
     "RankFailedError": ".collectives",
@@ -84,6 +86,7 @@ _EXPORTS = {
     "UsageError": ".errors",
     "did_you_mean": ".errors",
     "one_of": ".errors",
+    "check_writable": ".files",
     "fsync_dir": ".files",
     "write_atomically": ".files",
     "AGENT_ENV": ".launch",
@@ -103,6 +106,7 @@ _EXPORTS = {
     "CheckpointBackendPlugin": ".records",
     "Checkpointer": ".records",
     "CheckpointFactory": ".records",
+    "CheckpointProbe": ".records",
     "CommHookPlugin": ".records",
     "CommandPlugin": ".records",
     "LaunchRequest": ".records",
@@ -122,6 +126,7 @@ _EXPORTS = {
     "dump": ".serialize",
     "load": ".serialize",
     "SimpleCheckpointOptions": ".builtins",
+    "probe_checkpoints": ".builtins",
     "SimpleCheckpointer": ".simple_checkpoint",
     "Manifest": ".manifest",
     "Step": ".step",
@@ -135,6 +140,7 @@ __all__ = [
     "TERMINAL",
     "CheckpointBackendPlugin",
     "CheckpointFactory",
+    "CheckpointProbe",
     "Checkpointer",
     "CommandPlugin",
     "CommHookPlugin",
@@ -164,6 +170,7 @@ __all__ = [
     "agent_exports",
     "all_mean",
     "at_least",
+    "check_writable",
     "config_from_mapping",
     "decide",
     "did_you_mean",
@@ -186,6 +193,7 @@ __all__ = [
     "write_atomically",
     "write_report",
     "CheckpointError",
+    "DiskFullError",
     "UnsafeCheckpointError",
     "COMMIT_FILE",
     "LATEST_FILE",
@@ -198,6 +206,7 @@ __all__ = [
     "load",
     "SimpleCheckpointOptions",
     "SimpleCheckpointer",
+    "probe_checkpoints",
     "Manifest",
 ]
 

@@ -8,10 +8,12 @@ import what they build from, or are named with :func:`~ups.core.imported`.
 from __future__ import annotations
 
 from collections.abc import Sized
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
 
+from .files import check_writable
 from .lazy import imported
 from .markers import hookimpl_default
 from .records import CheckpointBackendPlugin, CommHookPlugin, SamplerPlugin
@@ -22,6 +24,20 @@ if TYPE_CHECKING:
     from torch.utils.data import DistributedSampler
 
     from .context import RunContext
+
+
+CHECKPOINTS = "checkpoints"
+"""The folder, inside the run's folder, that holds the checkpoints of ``simple`` (and of
+ups-ckpt's ``local`` and ``sharded``)."""
+
+
+def probe_checkpoints(*, directory: Path, options: object) -> None:
+    """The :class:`~ups.core.records.CheckpointProbe` of the backends that keep checkpoints in
+    the run's ``checkpoints`` folder: that it can be made and written.
+
+    :raises ConfigError: naming ``run.output_dir``, which places it.
+    """
+    check_writable(Path(directory) / CHECKPOINTS, "run.output_dir", "the checkpoints' folder")
 
 
 @attrs.frozen(kw_only=True)
@@ -109,6 +125,7 @@ def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
             name="simple",
             factory=imported("ups.core.simple_checkpoint:SimpleCheckpointer"),
             options=SimpleCheckpointOptions,
+            probe=probe_checkpoints,
             description="one torch.save file per checkpoint, written atomically by rank 0",
         )
     ]

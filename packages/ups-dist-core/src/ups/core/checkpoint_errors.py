@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -21,9 +22,16 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file holds objects that loading would have to run code to rebuild."""
 
 
+class DiskFullError(CheckpointError):
+    """A checkpoint could not be written: its filesystem has no space left (or the user's
+    quota is spent)."""
+
+
 _ERRORS: dict[str, type[CheckpointError]] = {
+    "DiskFullError": DiskFullError,
     "UnsafeCheckpointError": UnsafeCheckpointError,
 }
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def agree(
@@ -32,9 +40,9 @@ def agree(
     """Tell every rank which ranks failed ``what``; if any did, raise on every rank.
 
     The error names the failing ranks and their messages. It is an
-    :class:`UnsafeCheckpointError` when every failing rank failed with one, else a
-    :class:`CheckpointError`. A collective over ``group`` (``None``: the default group): every
-    rank calls it, failed or not.
+    :class:`UnsafeCheckpointError` (a :class:`DiskFullError`) when every failing rank failed
+    with one, else a :class:`CheckpointError`. A collective over ``group`` (``None``: the
+    default group): every rank calls it, failed or not.
     """
     failed = gather_failures(ctx, error, group=group)
     if not failed:
@@ -66,3 +74,35 @@ def on_main(
 def describe(error: BaseException) -> str:
     """``Kind: message``, as errors are reported across ranks."""
     return f"{type(error).__name__}: {error}"
+
+
+def disk_full(error: Exception, where: str, needed: int) -> Exception:
+    """``error`` as a :class:`DiskFullError` when the system said that no space was left
+    while it was raised (torch's writer turns that into ``enforce fail ... unexpected pos``,
+    keeping the system's error as its context), saying so, ``where`` (``"in <folder>"``)
+    and the ``needed`` bytes this rank was writing; any other ``error`` as it is."""
+    cause: BaseException | None = error
+    seen: set[int] = set()  # a chain may loop back on itself
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno in _NO_SPACE:
+            full = DiskFullError(
+                f"the disk is full: {cause.strerror} {where}, where this rank's part of the "
+                f"checkpoint needs about {_bytes(needed)}"
+            )
+            full.__cause__ = error
+            return full
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return error
+
+
+def _bytes(size: int) -> str:
+    """``size`` bytes in decimal units: ``512 B``, ``1.3 MB``."""
+    if size < 1000:
+        return f"{size} B"
+    value = float(size)
+    for unit in ("kB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 1000 or unit == "TB":
+            break
+    return f"{value:.1f} {unit}"

@@ -28,9 +28,10 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import attrs
 import structlog
+import torch
 import torch.distributed as dist
 
-from .checkpoint_errors import CheckpointError, agree, on_main
+from .checkpoint_errors import CheckpointError, agree, disk_full, on_main
 from .context import RunContext
 from .manifest import Manifest, read_committed
 from .records import Loaded
@@ -52,6 +53,18 @@ STEP_NAME = re.compile(r"step-(\d+)")
 L = TypeVar("L")
 """Where a storage stages or keeps a checkpoint: a folder's path, a prefix's name."""
 T = TypeVar("T")
+
+
+def _tensor_bytes(obj: object) -> int:
+    """The bytes of the tensors in ``obj`` and the containers in it: about what saving it
+    writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.element_size() * obj.nelement()
+    if isinstance(obj, Mapping):
+        return sum(map(_tensor_bytes, obj.values()))
+    if isinstance(obj, list | tuple):
+        return sum(map(_tensor_bytes, obj))
+    return 0
 
 
 def rank_file(rank: int) -> str:
@@ -126,7 +139,8 @@ class Committing(abc.ABC, Generic[L]):
             for rank, own in owns.items():
                 written[rank_file(rank)] = self._put(staged, rank_file(rank), own)
         except Exception as caught:  # every rank learns of it below
-            error = caught
+            writes = [*owns.values(), *([state] if self.ctx.is_main else [])]
+            error = disk_full(caught, self._where, sum(map(_tensor_bytes, writes)))
         try:
             agree(self.ctx, what, error, self.group)
         except CheckpointError:

@@ -28,12 +28,24 @@ F = TypeVar("F", bound="FactoryConfig")
 T = TypeVar("T")
 
 
+def folder_name(_instance: object, _attribute: attrs.Attribute[str], value: str) -> None:
+    """Validator: ``value`` names one folder inside another (``run.name`` in
+    ``run.output_dir``): not empty, ``.`` or ``..``, and no path separator (``/``, ``\\``)
+    or NUL, so that it cannot name a place outside the folder it is joined to."""
+    if value in ("", ".", "..") or any(c in value for c in "/\\\0"):
+        raise ValueError(
+            "a run's name is one folder's name inside run.output_dir: not empty, '.' or '..', "
+            "and without '/', '\\' or NUL (e.g. 'pde-1')"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class RunConfig:
     """Naming, seeding and reporting of the run."""
 
-    name: str = "run"
-    """The run's name; its files go to ``output_dir/name``."""
+    name: str = attrs.field(default="run", validator=folder_name)
+    """The run's name, one folder's name (no ``/``, ``\\``, not ``.`` or ``..``); its files go
+    to ``output_dir/name``."""
     seed: int = 0
     """Seeds model initialisation and data order on every rank."""
     output_dir: str = "runs"

@@ -171,11 +171,29 @@ class CheckpointFactory(Protocol):
     def __call__(self, *, ctx: RunContext, directory: Path, options: Any) -> Checkpointer: ...
 
 
+class CheckpointProbe(Protocol):
+    """Checks, before any rank starts, that checkpoints of the run whose folder is
+    ``directory`` can be written where the backend built with ``options`` keeps them: a probe
+    file or object written there and removed, nothing left behind (no folder made).
+    ``ups validate`` and the checks of ``ups train``, ``tune`` and ``check`` call it; the
+    commands that do not train import no torch, so neither may its module.
+    :func:`ups.core.check_writable` probes a local folder.
+
+    :raises ConfigError: naming the config key that sets the place, the place and why not.
+    """
+
+    def __call__(self, *, directory: Path, options: Any) -> None: ...
+
+
 @attrs.frozen(kw_only=True)
 class CheckpointBackendPlugin(PluginRecord):
     """A place and format to keep checkpoints in."""
 
     factory: CheckpointFactory
+    probe: CheckpointProbe | None = None
+    """Checks that checkpoints can be written there before any rank starts (name it with
+    :func:`ups.core.imported` if its module imports what listing must not); ``None``: not
+    checked, the first save tells."""
 
 
 # ---------------------------------------------------------------------------------------------

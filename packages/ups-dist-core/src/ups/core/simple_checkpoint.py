@@ -30,15 +30,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .builtins import SimpleCheckpointOptions
+from .builtins import CHECKPOINTS, SimpleCheckpointOptions
 from .checkpoint_errors import CheckpointError
 from .commit import COMMIT_FILE, LATEST_FILE, Committing, rank_file
 from .context import RunContext
 from .files import fsync_dir, write_atomically
 from .serialize import FileRecord, checksum, dump, load
-
-CHECKPOINTS = "checkpoints"
-"""The folder, inside the run's folder, that holds the checkpoints."""
 
 
 class SimpleCheckpointer(Committing[Path]):

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import Config, LoaderConfig, PluginChoice
 from .errors import ConfigError
+from .files import check_writable
 from .imports import load_object
 from .plugins import Registry
 from .records import SamplerPlugin
 from .schedule import schedule_warnings
 from .step import build_step
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
 
 MIN_GLOBAL_BATCH = 16
 """Below this many samples per optimizer step over all ranks, gradients are mostly noise."""
@@ -70,8 +73,10 @@ CI pins (a test compares them), by the config key that names one."""
 def validate(config: Config, registry: Registry, nproc: int | None = None) -> list[str]:
     """Check everything that can be checked without training; return warnings.
 
-    Imports the model and data factories, checks every plugin section's name and options, and
-    applies seed 001's rules for multi-process and multi-task runs.
+    Imports the model and data factories, checks every plugin section's name and options,
+    probes that the run's folder and the checkpoint backend's place can be written (a file
+    or object made and removed: nothing is left, no folder made), and applies seed 001's
+    rules for multi-process and multi-task runs.
 
     :param nproc: processes per machine if it differs from ``distributed.nproc`` (``--nproc``).
     :raises ConfigError: at the first key whose value cannot work.
@@ -88,7 +93,9 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
         select_sampler(registry, config.eval.sampler, "eval.sampler", exact=True, factory=False)
     comm, ckpt, launch = config.comm_hook, config.checkpoint, config.launch
     registry.select("comm_hook", comm.name, comm.options, "comm_hook", factory=False)
-    registry.select("checkpoint", ckpt.name, ckpt.options, "checkpoint", factory=False)
+    backend, ckpt_options = registry.select(
+        "checkpoint", ckpt.name, ckpt.options, "checkpoint", factory=False
+    )
     if launch.name is not None:
         registry.select("launcher", launch.name, launch.options, "launch", factory=False)
     for name in config.plugins:
@@ -105,7 +112,9 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
             "allowed here: fp32, bf16",
         )
 
-    check_run_dir(config.run_dir)
+    check_writable(config.run_dir, "run.output_dir", "the run's folder")
+    if backend.probe is not None:
+        backend.probe(directory=config.run_dir, options=ckpt_options)
     nproc = config.distributed.nproc if nproc is None else nproc
     if config.distributed.backend == "nccl" and (devices := _cuda_devices()) < nproc:
         raise ConfigError(
@@ -188,20 +197,32 @@ def check_loader(options: LoaderConfig) -> None:
         load_object(options.collate, "data.loader.collate")
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """Check that the run's folder is, or can be made, a folder: its nearest existing
-    ancestor (or itself) must be one.
+def check_data(
+    config: Config, train: DataLoader[Any], evaluation: DataLoader[Any] | None, world_size: int
+) -> None:
+    """Refuse data that the run cannot use, once the engine has built its loaders: a training
+    set that gives this rank no batch, so no step (empty, or fewer samples than ranks with a
+    sampler that drops the rest), and an empty evaluation set. The samplers deal every rank
+    as many training batches, so every rank refuses alike.
 
-    :raises ConfigError: naming ``run.output_dir`` and the file in the way.
+    :raises ConfigError: naming ``data.factory`` or ``eval.factory``, the samples it gave and
+        how many would do.
     """
-    for path in (run_dir, *run_dir.parents):
-        if path.is_dir():
-            return
-        if path.exists():
-            raise ConfigError(
-                "run.output_dir",
-                f"the run's folder {run_dir} cannot be made: {path} is a file, not a folder",
-            )
+    samples = len(train.dataset)  # type: ignore[arg-type]
+    if len(train) == 0:
+        allowed = "at least 1 sample"
+        if world_size > 1:
+            allowed += f", and {world_size} (one per rank) for a sampler that drops the rest"
+        raise ConfigError(
+            "data.factory",
+            f"returned {samples} samples, of which the {config.sampler.name!r} sampler deals no "
+            f"batch to this rank (of {world_size}): the run would take no step; allowed: "
+            f"{allowed}",
+        )
+    if evaluation is not None and len(evaluation.dataset) == 0:  # type: ignore[arg-type]
+        raise ConfigError(
+            "eval.factory", "returned 0 samples: nothing to evaluate; allowed: at least 1 sample"
+        )
 
 
 def select_sampler(
