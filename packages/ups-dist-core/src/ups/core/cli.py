@@ -275,20 +275,27 @@ def _agent_failure(error: Exception) -> int:
 def _failed(error: ChildFailedError, logs_dir: Path | None = None) -> int:
     """Print one line for each failed rank, first to fail first: the message its error file
     holds (see :func:`_train`), else how the process ended, and the rank's log file in
-    ``logs_dir``, which holds its traceback, if there is one. Return the exit status."""
-    for rank, failure in sorted(error.failures.items(), key=lambda f: f[1].timestamp):
+    ``logs_dir``, which holds its traceback, if there is one; a usage error that ranks
+    raised alike, once. Return the exit status."""
+    # Ranks refused bad input (a usage error: exit 2 in the rank), and any other rank was
+    # stopped by a signal (the launcher ending the job): so does ups, saying it once, for the
+    # lowest rank that refused it.
+    codes = [failure.exitcode for failure in error.failures.values()]
+    usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
+    said = set()
+    order = (lambda f: f[0]) if usage else (lambda f: f[1].timestamp)
+    for rank, failure in sorted(error.failures.items(), key=order):
         message = failure.message
         if isinstance(message, dict):
             message = message.get("message", "")
+        if usage and (failure.exitcode != EXIT_USAGE or message in said):
+            continue
+        said.add(message)
         line = f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}"
         log_file = None if logs_dir is None else logs_dir / f"rank{rank}.jsonl"
         if log_file is not None and log_file.is_file():
             line += f" (traceback: {log_file})"
         print(line, file=sys.stderr)
-    # Ranks refused bad input (a usage error: exit 2 in the rank), and any other rank was
-    # stopped by a signal (the launcher ending the job): so does ups.
-    codes = [failure.exitcode for failure in error.failures.values()]
-    usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
     return EXIT_USAGE if usage else EXIT_FAILED
 
 
@@ -297,6 +304,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from . import launch
     from .context import launched
+    from .rundir import check_free
 
     if args.profile is not None:
         args.override.append(f"run.profile_steps={args.profile}")
@@ -308,18 +316,17 @@ def _train(args: argparse.Namespace) -> int:
     nproc = args.nproc or config.distributed.nproc
     if not launched():
         _check(config, load_plugins(), nproc)
+        check_free(config.run_dir)  # before any rank starts; rank 0 locks it (own_run_dir)
         if nproc > 1:
             return _train_on_processes(args, config, nproc)
     # record: a launched rank's error goes to the file its elastic agent reads it from, and
     # the agent's launcher prints it, one line: its traceback is in the rank's log file.
     try:
         result = record(launch.train_in_place)(config)
-    except UsageError:
-        raise
-    except Exception:
+    except Exception as error:
         if logs.AGENT_ERROR_FILE not in os.environ:
             raise
-        return EXIT_FAILED
+        return EXIT_USAGE if isinstance(error, UsageError) else EXIT_FAILED
     assert result is not None  # record returns what it wraps returns, or raises
     # Under an elastic agent a rank exits 0, else the agent would restart it; the agent's
     # process (ups train --nproc) tells the preemption.

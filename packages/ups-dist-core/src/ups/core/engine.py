@@ -44,12 +44,12 @@ from .records import Checkpointer, TrainResult
 from .reporting import Reporter
 from .resume import Position, Resumed, TrainingState
 from .rng import seed_all, set_rng_state
-from .rundir import RunFiles
+from .rundir import RunFiles, own_run_dir
 from .schedule import Schedule, apply_lr_multiplier
 from .step import build_step
 from .stepping import Forward, Stepper
 from .user_metrics import UserMetrics
-from .validate import check_loader, select_sampler
+from .validate import check_data, check_loader, select_sampler
 from .watchdog import EVALUATING, FORWARD, FORWARD_DONE, Watchdog
 
 log = structlog.get_logger()
@@ -90,7 +90,7 @@ def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     """Train the configured model on this rank; every rank of the job calls this together."""
     hook = registry.manager.hook
     try:
-        with rank_log_file(ctx, config.run_dir):
+        with own_run_dir(config, ctx), rank_log_file(ctx, config.run_dir):
             result = Run(config, ctx, registry).train()
     except BaseException as error:
         hook.ups_error(ctx=ctx, error=error)
@@ -134,6 +134,7 @@ class Run:
             self.eval_loader = self._loader(
                 eval_set, shards, config.eval.batch_size or t.batch_size
             )
+        check_data(config, self.loader, self.eval_loader, ctx.world_size)
         comm_state: object | None = None
         """What the comm hook keeps between steps (saved per rank if it has a state_dict)."""
         module = torch.compile(self.model) if t.compile else self.model
@@ -334,13 +335,12 @@ class Run:
                 group = min(self.schedule.accumulation_steps, left)
                 left -= group
                 taken = self.stepper.step(self.step + 1, batches, group)
-                self._at(batches, left)
+                self._at(batches, left, taken=taken is not None)
                 if taken is None:
                     continue  # every rank skipped the batch
                 self._grad_norm, micro_batches = taken
                 for counted in micro_batches:
                     counted.count(self.reporter.window, self.metrics)
-                self.position = attrs.evolve(self.position, step=self.step + 1)
                 if self._after_step():
                     return
 
@@ -367,11 +367,16 @@ class Run:
         )
         return passing
 
-    def _at(self, batches: Epoch, left: int) -> None:
-        """Note where the epoch stands after a step: batches left and taken, the sampler's
-        state as of the last batch taken."""
+    def _at(self, batches: Epoch, left: int, *, taken: bool) -> None:
+        """Note where the run stands after a step (``taken``: one more optimizer step, else
+        skipped): batches of the epoch left and taken, the sampler's state as of the last
+        batch taken."""
         self.position = attrs.evolve(
-            self.position, epoch_left=left, epoch_taken=batches.taken, sampler=batches.sampler_state
+            self.position,
+            step=self.step + taken,
+            epoch_left=left,
+            epoch_taken=batches.taken,
+            sampler=batches.sampler_state,
         )
 
     def _after_step(self) -> bool:
