@@ -26,7 +26,7 @@ import itertools
 import math
 import multiprocessing
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy
@@ -65,17 +65,18 @@ def seed_of(*parts: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-_MASK = 2**64 - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+"""An odd multiplier: ``place * _GOLDEN`` differs for every place in the low 32 bits, the bits
+torch's CPU generator (a Mersenne Twister seeded with 32 bits) and NumPy's take."""
+_MASK = 2**63 - 1
 
 
-def place_seed(base: int, place: int) -> int:
-    """The seed in ``[0, 2**63)`` of the sample at ``place`` of an epoch whose seed is ``base``:
-    SplitMix64's output function (nearby places give unrelated seeds), a tenth of
-    :func:`seed_of`'s cost, paid for every sample read."""
-    z = (base + (place + 1) * 0x9E3779B97F4A7C15) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return (z ^ (z >> 31)) >> 1
+def place_seeds(base: int, places: Iterable[int]) -> list[int]:
+    """The seeds in ``[0, 2**63)`` of the samples at ``places`` of an epoch whose seed is
+    ``base``: a Weyl sequence, distinct in their low 32 bits for every place under ``2**32``
+    (the Mersenne Twister's seeding scrambles neighbouring seeds, as torch relies on for its
+    workers' ``base_seed + id``); one multiplication a sample read."""
+    return [(base + place * _GOLDEN) & _MASK for place in places]
 
 
 RESEED: dict[str, tuple[Callable[[int], object], Callable[[], Any], Callable[[Any], None]]] = {
@@ -138,12 +139,12 @@ class StepBatches(Sampler[list[int]]):
                 continue
             if base is not None:
                 where = self._places(drawn - len(batch), number * self.batch_size, len(batch))
-                batch.seeds = [place_seed(base, place) for place in where]
+                batch.seeds = place_seeds(base, where)
             if self.stateful:
                 self._states.append(self.sampler.state_dict())
             yield batch
 
-    def _places(self, drawn: int, before: int, count: int) -> list[int]:
+    def _places(self, drawn: int, before: int, count: int) -> Iterable[int]:
         """The places in the epoch of the ``count`` samples of a batch: from the sampler's
         ``places(first, count)`` when it has one (``drawn``: samples it yielded before the
         batch in this iteration), else as torch's ``DistributedSampler`` deals, rank ``r`` of
@@ -151,8 +152,9 @@ class StepBatches(Sampler[list[int]]):
         before the batch, counting those taken before a resume)."""
         own = getattr(self.sampler, "places", None)
         if callable(own):
-            return [int(place) for place in own(drawn, count)]
-        return [(before + i) * self.world_size + self.rank for i in range(count)]
+            return map(int, own(drawn, count))
+        first, step = before * self.world_size + self.rank, self.world_size
+        return range(first, first + count * step, step)
 
     def consumed(self) -> dict[str, Any]:
         """The sampler's state after the oldest batch drawn and not yet consumed; call it once
