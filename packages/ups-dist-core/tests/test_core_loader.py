@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils.data import Dataset, DistributedSampler
 
 from ups.core.config import LoaderConfig
-from ups.core.loader import Epoch, data_loader, place_seeds
+from ups.core.loader import Epoch, data_loader, place_seeds, seed_of
 
 GENERATORS = ("torch", "python", "numpy")
 
@@ -98,3 +98,54 @@ def test_place_seeds_are_63_bit_seeds_distinct_in_their_low_32_bits(base: int, f
     seeds = place_seeds(base, range(first, first + 4096))
     assert all(0 <= seed < 2**63 for seed in seeds)
     assert len({seed % 2**32 for seed in seeds}) == len(seeds)
+
+
+class SometimesDraws(Dataset[torch.Tensor]):
+    """Sample ``i`` draws a number from torch's generator when ``i >= first_drawing`` (else
+    it is 0); every read is counted."""
+
+    def __init__(self, first_drawing: int) -> None:
+        self.first_drawing = first_drawing
+        self.reads: list[int] = []
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.reads.append(index)
+        return torch.rand(()) if index >= self.first_drawing else torch.tensor(0.0)
+
+
+@pytest.mark.parametrize("first_drawing", [0, 13, 40], ids=["always", "from 13", "never"])
+def test_only_reads_that_draw_are_seeded_and_they_draw_their_places_numbers(
+    first_drawing: int,
+) -> None:
+    dataset = SometimesDraws(first_drawing)
+    sampler = DistributedSampler(range(40), num_replicas=1, rank=0, shuffle=False)
+    loader = data_loader(
+        dataset,
+        sampler,
+        5,
+        LoaderConfig(),
+        device=torch.device("cpu"),
+        seed=7,
+        rank=0,
+        world_size=1,
+    )
+    loader.batch_sampler.epoch = 2  # type: ignore[union-attr]
+    values = torch.cat(list(Epoch(loader))).tolist()
+    seeds = place_seeds(seed_of(7, 2), range(40))
+    expected = [
+        torch.rand((), generator=torch.Generator().manual_seed(seed)).item()
+        if i >= first_drawing
+        else 0.0
+        for i, seed in enumerate(seeds)
+    ]
+    assert values == expected
+    # a batch is read once, but the first one that draws: read again, seeded
+    again = (
+        list(range(first_drawing // 5 * 5, first_drawing // 5 * 5 + 5))
+        if first_drawing < 40
+        else []
+    )
+    assert sorted(dataset.reads) == sorted(list(range(40)) + again)

@@ -99,10 +99,10 @@ def _gather(
 ) -> tuple[list[Failure], torch.Tensor | None]:
     """The failures, and the sum of ``value`` over the ranks (``None`` without a value)."""
     mine = None if error is None else (type(error).__name__, str(error))
-    device = _object_device(ctx, group) or torch.device("cpu")
     if not ctx.distributed:
         total = None if value is None else torch.full((1,), value, dtype=torch.float64)
         return [Failure(0, *mine)] if mine is not None else [], total
+    device = _object_device(ctx, group) or torch.device("cpu")
     numbers = [float(mine is not None)] + ([] if value is None else [value])
     summed = torch.tensor(numbers, dtype=torch.float64, device=device)
     total = None if value is None else summed[1:]

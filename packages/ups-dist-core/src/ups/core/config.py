@@ -88,9 +88,10 @@ class LoaderConfig:
     reseed: tuple[Literal["torch", "python", "numpy"], ...] = ("torch",)
     """The global generators seeded before each sample is read, from ``(run.seed, epoch, the
     sample's place)``, so that a random transform drawing from them draws the same numbers
-    whatever the workers and ranks: torch's CPU generator (about 1 µs a sample), Python's
-    ``random`` (about 4 µs) and NumPy's legacy global generator (about 2 µs, and 70 µs a batch to
-    keep the training's state without workers); ``[]``: none."""
+    whatever the workers and ranks: torch's CPU generator (about 1.2 µs a sample), Python's
+    ``random`` (about 4 µs) and NumPy's legacy global generator (about 2 µs, and 70 µs a batch
+    to compare and keep its state), once a read of the dataset drew from one (nothing before:
+    :class:`~ups.core.loader.SeededData`); ``[]``: none."""
 
 
 @attrs.frozen(kw_only=True)

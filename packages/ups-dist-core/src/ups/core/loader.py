@@ -25,9 +25,10 @@ import hashlib
 import itertools
 import math
 import multiprocessing
+import operator
 import random
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy
 import torch
@@ -79,17 +80,34 @@ def place_seeds(base: int, places: Iterable[int]) -> list[int]:
     return [(base + place * _GOLDEN) & _MASK for place in places]
 
 
-RESEED: dict[str, tuple[Callable[[int], object], Callable[[], Any], Callable[[Any], None]]] = {
-    "torch": (torch.default_generator.manual_seed, torch.get_rng_state, torch.set_rng_state),
-    "python": (random.seed, random.getstate, random.setstate),
-    "numpy": (
+class Generator(NamedTuple):
+    """A global generator: how to seed it, get and set its state, and compare two states."""
+
+    seed: Callable[[int], object]
+    get_state: Callable[[], Any]
+    set_state: Callable[[Any], object]
+    same: Callable[[Any, Any], bool]
+
+
+def _same_numpy(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two states of NumPy's legacy global generator are one."""
+    return a[2:] == b[2:] and bool(numpy.array_equal(a[1], b[1]))
+
+
+RESEED: dict[str, Generator] = {
+    "torch": Generator(
+        torch.default_generator.manual_seed, torch.get_rng_state, torch.set_rng_state, torch.equal
+    ),
+    "python": Generator(random.seed, random.getstate, random.setstate, operator.eq),
+    "numpy": Generator(
         lambda seed: numpy.random.seed(seed % 2**32),
         numpy.random.get_state,
         numpy.random.set_state,
+        _same_numpy,
     ),
 }
-"""For each name ``data.loader.reseed`` allows, how to seed that global generator and to get
-and set its state. Only torch's CPU generator: a CUDA rank's generators are the training's."""
+"""The global generators ``data.loader.reseed`` may name. Only torch's CPU generator: a CUDA
+rank's generators are the training's."""
 
 
 class SeededBatch(list[int]):
@@ -164,12 +182,21 @@ class StepBatches(Sampler[list[int]]):
 
 class SeededData(Dataset[Any]):
     """``dataset``, read a batch at a time with the generators ``reseed`` names (of
-    :data:`RESEED`) seeded for each sample (see the module's text)."""
+    :data:`RESEED`) seeded for each sample (see the module's text).
+
+    Seeding costs a few microseconds a sample, for nothing where the dataset draws no random
+    number. So a batch is first read as it comes; if no generator moved meanwhile, no sample
+    drew from them, and the batch is what seeded reads would have given. The first batch that
+    moves one is read again, seeded, and so is every batch after it (in this process: each
+    worker finds out for itself).
+    """
 
     def __init__(self, dataset: Any, reseed: tuple[str, ...]) -> None:
         self.dataset = dataset
         self._many: Callable[[list[int]], list[Any]] | None = getattr(dataset, "__getitems__", None)
         self._generators = [RESEED[name] for name in reseed]
+        self.draws = False
+        """Whether a read of the dataset was seen to draw from the generators."""
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -182,17 +209,25 @@ class SeededData(Dataset[Any]):
         batch at once, with its own ``__getitems__``, with its first sample's)."""
         seeds = getattr(indices, "seeds", None)
         if seeds is None or not self._generators:
-            return self._many(list(indices)) if self._many else [self.dataset[i] for i in indices]
-        if get_worker_info() is not None:  # a worker's generators are its own
-            return self._seeded(indices, seeds)
-        # In the main process, the seeded generators are put back afterwards, so that reading
-        # data leaves the training's randomness as it was.
-        saved = [get_state() for _, get_state, _ in self._generators]
+            return self._read(indices)
+        saved = [generator.get_state() for generator in self._generators]
+        if not self.draws:
+            samples = self._read(indices)
+            moved = [g.get_state() for g in self._generators]
+            if all(g.same(a, b) for g, a, b in zip(self._generators, saved, moved, strict=True)):
+                return samples
+            self.draws = True
         try:
             return self._seeded(indices, seeds)
         finally:
-            for (_, _, set_state), state in zip(self._generators, saved, strict=True):
-                set_state(state)
+            # In the main process, the generators are put back afterwards, so that reading
+            # data leaves the training's randomness as it was (a worker's are its own).
+            if get_worker_info() is None:
+                for generator, state in zip(self._generators, saved, strict=True):
+                    generator.set_state(state)
+
+    def _read(self, indices: list[int]) -> list[Any]:
+        return self._many(list(indices)) if self._many else [self.dataset[i] for i in indices]
 
     def _seeded(self, indices: list[int], seeds: list[int]) -> list[Any]:
         """The samples at ``indices``, each read with the generators seeded by its seed."""
@@ -206,8 +241,8 @@ class SeededData(Dataset[Any]):
         return samples
 
     def _seed(self, seed: int) -> None:
-        for seed_with, _, _ in self._generators:
-            seed_with(seed)
+        for generator in self._generators:
+            generator.seed(seed)
 
 
 class Epoch:
