@@ -75,9 +75,12 @@ class _Mover:
     def __init__(self, device: torch.device, non_blocking: bool) -> None:
         self.device, self.non_blocking = device, non_blocking
 
+    def move_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=self.non_blocking)
+
     def move(self, value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):
-            return value.to(self.device, non_blocking=self.non_blocking)
+            return self.move_tensor(value)
         if isinstance(value, LEAVES):
             return value
         if isinstance(value, Mapping):
@@ -90,6 +93,8 @@ class _Mover:
             fields = zip(value._fields, value, strict=True)
             return type(value)(*(self.move(v, f"{path}.{f}") for f, v in fields))
         if isinstance(value, list | tuple):
+            if all(isinstance(v, torch.Tensor) for v in value):  # the usual batch, at once
+                return type(value)(self.move_tensor(v) for v in value)
             return type(value)(self.move(v, f"{path}[{i}]") for i, v in enumerate(value))
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             changes = {

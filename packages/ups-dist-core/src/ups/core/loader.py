@@ -27,7 +27,7 @@ import math
 import multiprocessing
 import operator
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy
@@ -111,10 +111,16 @@ rank's generators are the training's."""
 
 
 class SeededBatch(list[int]):
-    """A batch's indices, with the seed each sample's data-side randomness draws from
-    (``None``: none to seed)."""
+    """A batch's indices, with the seed of each sample's data-side randomness: the epoch's
+    seed ``base`` (``None``: none to seed) and the samples' ``places`` in the epoch."""
 
-    seeds: list[int] | None = None
+    base: int | None = None
+    places: Sequence[int] = ()
+
+    @property
+    def seeds(self) -> list[int] | None:
+        """Each sample's seed (worked out when a read needs them: :func:`place_seeds`)."""
+        return None if self.base is None else place_seeds(self.base, self.places)
 
 
 class StepBatches(Sampler[list[int]]):
@@ -156,13 +162,15 @@ class StepBatches(Sampler[list[int]]):
             if number < self.first + self.skip:
                 continue
             if base is not None:
-                where = self._places(drawn - len(batch), number * self.batch_size, len(batch))
-                batch.seeds = place_seeds(base, where)
+                batch.base = base
+                batch.places = self._places(
+                    drawn - len(batch), number * self.batch_size, len(batch)
+                )
             if self.stateful:
                 self._states.append(self.sampler.state_dict())
             yield batch
 
-    def _places(self, drawn: int, before: int, count: int) -> Iterable[int]:
+    def _places(self, drawn: int, before: int, count: int) -> Sequence[int]:
         """The places in the epoch of the ``count`` samples of a batch: from the sampler's
         ``places(first, count)`` when it has one (``drawn``: samples it yielded before the
         batch in this iteration), else as torch's ``DistributedSampler`` deals, rank ``r`` of
@@ -170,7 +178,7 @@ class StepBatches(Sampler[list[int]]):
         before the batch, counting those taken before a resume)."""
         own = getattr(self.sampler, "places", None)
         if callable(own):
-            return map(int, own(drawn, count))
+            return [int(place) for place in own(drawn, count)]
         first, step = before * self.world_size + self.rank, self.world_size
         return range(first, first + count * step, step)
 
@@ -207,8 +215,7 @@ class SeededData(Dataset[Any]):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """The samples at ``indices``, each read with its seed set (a dataset that reads a
         batch at once, with its own ``__getitems__``, with its first sample's)."""
-        seeds = getattr(indices, "seeds", None)
-        if seeds is None or not self._generators:
+        if getattr(indices, "base", None) is None or not self._generators:
             return self._read(indices)
         saved = [generator.get_state() for generator in self._generators]
         if not self.draws:
@@ -218,7 +225,7 @@ class SeededData(Dataset[Any]):
                 return samples
             self.draws = True
         try:
-            return self._seeded(indices, seeds)
+            return self._seeded(indices, indices.seeds)  # type: ignore[attr-defined]
         finally:
             # In the main process, the generators are put back afterwards, so that reading
             # data leaves the training's randomness as it was (a worker's are its own).

@@ -57,11 +57,12 @@ class LossWindow:
         if not self._held:
             return
         held, self._held = self._held, []
-        losses = torch.cat([batch.reshape(-1) for batch, _ in held]).to(torch.float64)
+        losses = torch.cat([batch for batch, _ in held])  # each [samples]
         if self._ids.tasks == 1:
-            self._sums[0, 0] += losses.sum()
+            self._sums[0, 0] += losses.sum(dtype=torch.float64)
             self._sums[1, 0] += len(losses)
             return
+        losses = losses.to(torch.float64)
         ids = torch.cat([self._ids.index(task_ids, batch) for batch, task_ids in held])
         self._sums[0].index_add_(0, ids, losses)
         self._sums[1].index_add_(0, ids, torch.ones_like(losses))
