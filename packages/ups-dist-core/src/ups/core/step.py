@@ -114,6 +114,8 @@ class Step:
     def forward(self, model: nn.Module, batch: Any) -> Any:
         """The model's outputs for ``batch``; by default ``model`` called with :attr:`inputs`."""
         where = _raw(self, "inputs")
+        if isinstance(where, int | str):  # the usual: one index or key
+            return model(pick(batch, where, "step.inputs"))
         if isinstance(where, Mapping):
             return model(**{name: pick(batch, w, "step.inputs") for name, w in where.items()})
         if isinstance(where, list | tuple):
@@ -181,7 +183,9 @@ def pick(batch: Any, where: Where, key: str) -> Any:
     if callable(where):
         return where(batch)
     if isinstance(where, int):
-        if isinstance(batch, Sequence) and not isinstance(batch, str):
+        if isinstance(batch, list | tuple) or (
+            isinstance(batch, Sequence) and not isinstance(batch, str)
+        ):
             if -len(batch) <= where < len(batch):
                 return batch[where]
             raise StepError(f"{key}: index {where} is past the batch's {len(batch)} elements")
