@@ -4,12 +4,17 @@ different names get an error on every rank instead of a deadlock."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
+import torch.distributed as dist
 
-from ups.core import ConfigError, RunContext, load_config, load_plugins, train
+from ups.core import ConfigError, RunContext, Step, load_config, load_plugins, train
 from ups.core.engine import train as train_rank
+from ups.core.step import has_metrics
 from ups.core.testing import run_ranks, tiny_project
+from ups.core.user_metrics import UserMetrics
 
 METRICS_MODULE = """
 import os
@@ -98,3 +103,28 @@ def test_a_metric_that_is_not_one_number_is_named(tmp_path: Path) -> None:
 def test_a_bad_reduction_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"metrics\.reduce\.mae: 'median' is not one of"):
         load_config(project(tmp_path), ["metrics.reduce.mae=median"])
+
+
+def _collectives_per_report(ctx: RunContext, measured: bool) -> int:
+    """The ``torch.distributed`` all-reduces of one report of a window without metrics."""
+    metrics = UserMetrics({}, ("all",), ctx.device, measured=measured)
+    calls = 0
+    all_reduce = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return all_reduce(*args, **kwargs)
+
+    with mock.patch.object(dist, "all_reduce", counted):
+        assert metrics.report(ctx).result() == {}
+    return calls
+
+
+def test_a_step_without_metrics_reports_them_with_no_collective() -> None:
+    # the built-in step without metrics.factory has none; one with a function, or a Step of
+    # one's own with metrics(), may have some, whose names the ranks compare at each report
+    assert not has_metrics(Step())
+    assert has_metrics(Step(metric_fn=lambda outputs, targets: {}))
+    assert run_ranks(_collectives_per_report, 2, False) == [0, 0]
+    assert run_ranks(_collectives_per_report, 2, True) == [1, 1]

@@ -46,7 +46,7 @@ from .resume import Position, Resumed, TrainingState
 from .rng import seed_all, set_rng_state
 from .rundir import RunFiles, own_run_dir
 from .schedule import Schedule, apply_lr_multiplier
-from .step import build_step
+from .step import build_step, has_metrics
 from .stepping import Forward, Stepper
 from .user_metrics import UserMetrics
 from .validate import check_data, check_loader, select_sampler
@@ -165,7 +165,13 @@ class Run:
         window = LossWindow(config.data.tasks, ctx.device)
         reduce = config.metrics.reduce if config.metrics is not None else {}
         metrics_key = "metrics.factory" if config.metrics and config.metrics.factory else None
-        self.metrics = UserMetrics(reduce, window.tasks, ctx.device, metrics_key or "step.metrics")
+        self.metrics = UserMetrics(
+            reduce,
+            window.tasks,
+            ctx.device,
+            metrics_key or "step.metrics",
+            measured=has_metrics(self.step_fn),
+        )
         self.restarted = all_max(ctx, ctx.restart_count)
         """How many times the launcher restarted the job (the largest count of any rank: a
         node that joined afresh counts from 0)."""

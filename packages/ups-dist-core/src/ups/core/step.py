@@ -162,6 +162,12 @@ class Step:
         return batch_size(batch)
 
 
+def has_metrics(step: Step) -> bool:
+    """Whether ``step`` computes metrics: its own ``metrics``, or the built-in one's with a
+    function (``metrics.factory``)."""
+    return type(step).metrics is not Step.metrics or _raw(step, "metric_fn") is not None
+
+
 def _raw(step: Step, name: str) -> Any:
     """``step``'s attribute ``name`` as set: a function set on the class is not bound to the
     step (``task = task_of`` calls ``task_of(batch)``). What ``inspect.getattr_static`` finds

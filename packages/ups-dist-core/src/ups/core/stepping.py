@@ -37,7 +37,7 @@ from .config import TrainingConfig
 from .context import RunContext
 from .errors import ConfigError, UsageError
 from .metrics import LossWindow
-from .step import Step, StepError, _raw
+from .step import Step, StepError, _raw, has_metrics
 from .user_metrics import UserMetrics
 from .watchdog import BACKWARD, DONE, STARTED, Watchdog
 
@@ -128,9 +128,7 @@ class Forward:
         own_loss = type(step).loss is not Step.loss or callable(_raw(step, "criterion"))
         self._forward_key = f"step.factory ({self.name}.forward)" if own_forward else None
         self._loss_key = f"step.factory ({self.name}.loss)" if own_loss else None
-        self._measured = type(step).metrics is not Step.metrics or _raw(step, "metric_fn")
-        """Whether the step has metrics to compute (the built-in one without a function has
-        none)."""
+        self._measured = has_metrics(step)
 
     def __call__(
         self, module: nn.Module, batch: Any, samples: int | None = None

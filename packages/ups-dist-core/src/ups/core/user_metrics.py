@@ -37,10 +37,15 @@ class UserMetrics:
         tasks: tuple[str, ...],
         device: torch.device,
         key: str = "step.metrics",
+        *,
+        measured: bool = True,
     ) -> None:
         self._reduce, self._tasks, self._device = dict(reduce), tasks, device
         self.key = key
         """The config key of the code the metrics come from (for messages)."""
+        self.measured = measured
+        """Whether batches may carry metrics; without, a report makes no collective (no
+        names to compare, no sums to add)."""
         self._ids = TaskIds(len(tasks))
         self._sums: dict[str, torch.Tensor] = {}
         """A number: ``mean``: [sum of value x batch size, samples]; ``sum``: [sum, 0];
@@ -99,7 +104,7 @@ class UserMetrics:
         """
         names = sorted(self._sums)
         sums, self._sums = self._sums, {}
-        if ctx.distributed:
+        if ctx.distributed and self.measured:
             _check_same_names(ctx, names)
         pending = []
         for op in (dist.ReduceOp.MAX, dist.ReduceOp.SUM):
