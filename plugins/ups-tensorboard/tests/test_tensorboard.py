@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from ups.core import Config, RunContext, load_config, load_plugins
 from ups.core.engine import train
-from ups.core.testing import run_ranks
+from ups.core.testing import run_ranks, run_ups, tiny_project, tracker_metrics
 from ups_tensorboard import plugin, tag
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -76,3 +76,23 @@ def test_every_report_per_task_with_bytes_and_throughput(run_dir: Path) -> None:
 def test_the_installed_entry_point_is_found() -> None:
     registry = load_plugins(env={})
     assert any(p.name == "tensorboard" and p.status == "enabled" for p in registry.plugins)
+
+
+@pytest.mark.slow  # an `ups train` process, restarted by its agent
+def test_a_run_killed_after_reporting_past_its_checkpoint_shows_each_step_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UPS_BLOCK_PLUGINS", "mlflow,wandb")
+    # rank 0 dies in step 8, after the checkpoint of step 4 and the report of step 6; the
+    # agent restarts both ranks, which resume from step 4 and report step 6 again
+    monkeypatch.setenv("UPS_FAULTS", "kill@0:8")
+    config = tiny_project(tmp_path, training={"epochs": 3}, checkpoint={"every_steps": 4})
+    done = run_ups("train", str(config), "--nproc=2", "--max-restarts=1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "tiny"
+    assert len(list((run_dir / "tensorboard").iterdir())) == 2  # one event file an attempt
+    found = scalars(run_dir / "tensorboard")
+    assert [step for step, _ in found["train/loss"]] == [2, 4, 6, 8, 10, 12]
+    expected = [value for _, value in tracker_metrics(run_dir)["train/loss"]]
+    # the resumed attempt's values (as float32: TensorBoard's)
+    assert [value for _, value in found["train/loss"]] == pytest.approx(expected, rel=1e-6)

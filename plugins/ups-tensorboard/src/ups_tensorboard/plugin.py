@@ -55,17 +55,22 @@ def tag(kind: Literal["train", "eval"], name: str) -> str:
 
 
 class TensorBoardLogger:
-    """Rank 0's writer for one run; on the other ranks every method does nothing."""
+    """Rank 0's writer for one run; on the other ranks every method does nothing.
+
+    The event file is opened at the run's first report, purging from its step on: a run
+    resumed from a checkpoint (after a kill, or restarted by its launcher) reports again the
+    steps after it, the first of them first, so TensorBoard drops what the interrupted attempt
+    wrote from there, and shows one history, as ``metrics.jsonl`` holds it.
+    """
 
     def __init__(self) -> None:
         self.writer: SummaryWriter | None = None
+        self.folder: Path | None = None
 
     def start(self, ctx: RunContext, folder: Path) -> None:
-        """Open the run's event file in ``folder`` (rank 0)."""
+        """Write the run's events in ``folder`` (rank 0), from its first report on."""
         if ctx.is_main:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(folder))
+            self.folder = folder
             log.info("tensorboard", logdir=str(folder))
 
     def scalars(
@@ -73,7 +78,11 @@ class TensorBoardLogger:
     ) -> None:
         """Write one report's metrics at ``step``; NaN (a loss not measured) is left out."""
         if self.writer is None:
-            return
+            if self.folder is None:
+                return
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=step)
         for name, value in metrics.items():
             if not math.isnan(value):
                 self.writer.add_scalar(tag(kind, name), value, global_step=step)
@@ -82,7 +91,7 @@ class TensorBoardLogger:
         """Flush and close the event file, if open."""
         if self.writer is not None:
             self.writer.close()
-            self.writer = None
+        self.writer = self.folder = None
 
 
 _logger = TensorBoardLogger()
