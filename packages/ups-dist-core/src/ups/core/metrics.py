@@ -81,8 +81,7 @@ class LossWindow:
         """Start aggregating the window over all ranks (an all-reduce, not waited for) and
         start a new window. A collective: every rank calls it at the same step."""
         self._add_held()
-        sums = self._sums.clone()
-        self._sums.zero_()
+        sums, self._sums = self._sums, torch.zeros_like(self._sums)
         work = dist.all_reduce(sums, async_op=True) if ctx.distributed else None
         return PendingReport(self.tasks, sums, work)
 
