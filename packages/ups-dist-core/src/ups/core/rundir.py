@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import fnmatch
 import json
 import math
 import os
@@ -48,13 +49,14 @@ log = structlog.get_logger()
 PREEMPTED = "preempted.json"
 LOCK_FILE = ".lock"
 """In the run folder: locked by the process that owns the run; holds ``PID HOST``."""
-JOB_FILES = frozenset(
-    {"launch.json", "job.json", "launch.log", "exit.json", "cancelled", "launches"}
-    | {"slurm.sbatch", "startup.log"}
+JOB_FILES = (
+    *("launch.json", "job.json", "launch.log", "exit.json", "cancelled", "launches"),
+    *("slurm.sbatch", "slurm-*.out", "startup.log"),
 )
 """What launchers (``ups launch``, ups-cloud's) keep in the run folder about the job that
-runs the training: written before its ranks start, so they stay when an earlier run's files
-are moved aside."""
+runs the training (names, or ``fnmatch`` patterns: SLURM writes the job's output to
+``slurm-<job id>.out``): written before its ranks start, so they stay when an earlier run's
+files are moved aside, and they are no earlier run."""
 
 
 class RunFiles:
@@ -232,7 +234,7 @@ def _claim(folder: Path, *, fresh: bool) -> RunLock:
     try:
         new = RunLock(folder)  # another run may have made the folder meanwhile: then it is its
         for entry in aside.iterdir():
-            if entry.name in JOB_FILES:
+            if _is_job_file(entry.name):
                 os.rename(entry, folder / entry.name)
     finally:
         lock.release()
@@ -242,7 +244,11 @@ def _claim(folder: Path, *, fresh: bool) -> RunLock:
 
 
 def _is_run_file(entry: Path) -> bool:
-    return entry.name not in JOB_FILES and entry.name != LOCK_FILE
+    return not _is_job_file(entry.name) and entry.name != LOCK_FILE
+
+
+def _is_job_file(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in JOB_FILES)
 
 
 def _move_aside(folder: Path) -> Path:
