@@ -83,7 +83,7 @@ class NaNLoss(RegressionStep):
 
 
 class Opaque:
-    pass
+    """A batch of neither tensors nor containers nor an object with ``.to``: not movable."""
 
 
 def opaque_collate(samples):

@@ -37,15 +37,13 @@ from .config import TrainingConfig
 from .context import RunContext
 from .errors import ConfigError, UsageError
 from .metrics import LossWindow
-from .step import Step, StepError, _raw, has_metrics
+from .step import Step, StepError, _raw
 from .user_metrics import UserMetrics
 from .watchdog import BACKWARD, DONE, STARTED, Watchdog
 
 log = structlog.get_logger()
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_OWN_CODE = contextlib.nullcontext()
-"""What runs ups's own code: the watchdog needs not be told."""
 
 Kind = Literal["samples", "count", "mean"]
 """What a step's ``loss`` returned: one loss per sample, ``(mean, count)``, or a 0-d mean."""
@@ -128,7 +126,6 @@ class Forward:
         own_loss = type(step).loss is not Step.loss or callable(_raw(step, "criterion"))
         self._forward_key = f"step.factory ({self.name}.forward)" if own_forward else None
         self._loss_key = f"step.factory ({self.name}.loss)" if own_loss else None
-        self._measured = has_metrics(step)
 
     def __call__(
         self, module: nn.Module, batch: Any, samples: int | None = None
@@ -138,27 +135,23 @@ class Forward:
         step = self.step
         batch = to_device(batch, self.ctx.device, non_blocking=self._non_blocking)
         with self.autocast():
-            with self._calling(self._forward_key):
+            with self.watchdog.calling(self._forward_key):
                 outputs = step.forward(module, batch)
-            with self._calling(self._loss_key):
+            with self.watchdog.calling(self._loss_key):
                 returned = step.loss(outputs, batch)
         if samples is None:
             samples = step.batch_size(batch)
         loss, counted, weight = self._checked(returned, samples)
         values = {}
-        if self._measured:
+        if self.metrics.measured:
             with torch.no_grad(), self.watchdog.calling(self.metrics.key):
                 values = self.metrics.check(step.metrics(outputs, batch), samples)
         return loss, Taken(counted.detach(), samples, step.task_ids(batch), values, weight)
 
-    def _calling(self, key: str | None) -> contextlib.AbstractContextManager[Any]:
-        """The watchdog told that the user code ``key`` names runs (``None``: ups's own)."""
-        return _OWN_CODE if key is None else self.watchdog.calling(key)
-
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's autocast (none for fp32)."""
         if self._precision == "fp32":
-            return _OWN_CODE
+            return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=AUTOCAST_DTYPES[self._precision])
 
     def _checked(self, returned: Any, samples: int) -> tuple[Loss, torch.Tensor, int]:

@@ -67,6 +67,10 @@ PHASES = (
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 
+_OWN_CODE = contextlib.nullcontext()
+"""The context of ups's own code: nothing to tell."""
+
+
 @attrs.frozen
 class Post:
     """What a rank's watchdog posts: its mark, the ``torch.distributed`` collective its
@@ -178,10 +182,14 @@ class Watchdog:
         """This rank reached ``phase`` of its ``step``-th attempted step (cheap: no I/O)."""
         self._mark, self._moved = (step, phase), time.monotonic()
 
-    @contextlib.contextmanager
-    def calling(self, key: str | None) -> Iterator[None]:
+    def calling(self, key: str | None) -> contextlib.AbstractContextManager[None]:
         """While open, this rank runs the user code that the config's ``key`` names (such as
-        ``metrics.factory``; ``None``: ups's own code): a verdict says so."""
+        ``metrics.factory``; ``None``: ups's own code, which needs no telling: it costs
+        nothing, several times a step): a verdict says so."""
+        return _OWN_CODE if key is None else self._calling(key)
+
+    @contextlib.contextmanager
+    def _calling(self, key: str) -> Iterator[None]:
         self._user = key
         try:
             yield
