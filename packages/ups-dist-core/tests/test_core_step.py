@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ups.core import ConfigError, Step, StepError, load_config, load_plugins, train
 from ups.core.batches import BatchError
@@ -392,3 +394,79 @@ def test_the_watchdog_names_the_user_code_a_step_runs() -> None:
         "step.factory (OwnStep.loss)",
         None,
     ]
+
+
+class Scaled(torch.nn.Module):
+    """Its input times one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    criterion=st.sampled_from(["mse", "l1"]),
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_the_built_in_loss_by_name_taken_as_one_mean_weighs_and_reports_as_per_sample(
+    criterion: str, shape: list[int], seed: int
+) -> None:
+    """With one task, the built-in step's ``mse`` or ``l1`` is taken as the batch's mean in
+    one operation; its gradient and what it adds to the report are the per-sample path's."""
+    from ups.core import RunContext
+    from ups.core.metrics import LossWindow
+    from ups.core.stepping import Forward
+    from ups.core.user_metrics import UserMetrics
+    from ups.core.watchdog import Watchdog
+
+    ctx = RunContext()
+    generator = torch.Generator().manual_seed(seed)
+    batch = (torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator))
+    results = []
+    for per_task in (False, True):
+        model = Scaled()
+        forward = Forward(
+            Step(criterion=criterion),
+            ctx,
+            "fp32",
+            UserMetrics({}, ("all",), ctx.device),
+            Watchdog(ctx, "test"),
+            pinned=False,
+            per_task=per_task,
+        )
+        loss, taken = forward(model, batch)
+        assert loss.averaged is not per_task
+        (loss.mean + loss.total).backward()  # type: ignore[no-untyped-call]
+        window = LossWindow((), ctx.device)
+        taken.count(window, forward.metrics)
+        results.append((model.weight.grad, window.report(ctx).result()))
+    (fused_grad, fused_report), (grad, report) = results
+    torch.testing.assert_close(fused_grad, grad, rtol=1e-5, atol=1e-6)
+    assert fused_report == pytest.approx(report, rel=1e-6)
+
+
+def test_outputs_and_target_of_other_shapes_keep_the_per_sample_loss() -> None:
+    """Where outputs and target differ in shape, the step's own ``loss`` says what the loss
+    is (here a broadcast): no mean is taken in its place."""
+    from ups.core import RunContext
+    from ups.core.stepping import Forward
+    from ups.core.user_metrics import UserMetrics
+    from ups.core.watchdog import Watchdog
+
+    ctx = RunContext()
+    forward = Forward(
+        Step(),
+        ctx,
+        "fp32",
+        UserMetrics({}, ("all",), ctx.device),
+        Watchdog(ctx, "test"),
+        pinned=False,
+    )
+    with pytest.warns(UserWarning, match="broadcast"):
+        loss, _ = forward(torch.nn.Identity(), (torch.zeros(3, 2), torch.ones(3, 1)))
+    assert (loss.averaged, loss.kind, tuple(loss.value.shape)) == (False, "samples", (3,))

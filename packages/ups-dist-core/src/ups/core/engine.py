@@ -14,7 +14,6 @@ import inspect
 import json
 import math
 import signal
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -50,7 +49,7 @@ from .step import build_step, has_metrics
 from .stepping import Forward, Stepper
 from .user_metrics import UserMetrics
 from .validate import check_data, check_loader, select_sampler
-from .watchdog import EVALUATING, FORWARD, FORWARD_DONE, Watchdog
+from .watchdog import Watchdog
 
 log = structlog.get_logger()
 
@@ -91,7 +90,11 @@ def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     hook = registry.manager.hook
     try:
         with own_run_dir(config, ctx), rank_log_file(ctx, config.run_dir):
-            result = Run(config, ctx, registry).train()
+            run = Run(config, ctx, registry)
+            try:
+                result = run.train()
+            finally:
+                run.reporter.files.close()
     except BaseException as error:
         hook.ups_error(ctx=ctx, error=error)
         raise
@@ -178,7 +181,13 @@ class Run:
         self.watchdog = Watchdog(ctx, key=str(self.restarted))
         pinned = bool(self.loader.pin_memory)
         self.forward = Forward(
-            self.step_fn, ctx, t.precision, self.metrics, self.watchdog, pinned=pinned
+            self.step_fn,
+            ctx,
+            t.precision,
+            self.metrics,
+            self.watchdog,
+            pinned=pinned,
+            per_task=len(window.tasks) > 1,
         )
         self.stepper = Stepper(
             ctx=ctx,
@@ -191,19 +200,9 @@ class Run:
             watchdog=self.watchdog,
             even=sampler_plugin.even,
         )
-        stepper, watchdog = self.stepper, self.watchdog
-
-        def phase(training: int) -> Callable[..., None]:
-            """A forward hook marking the phase ``training`` of a step, or, in eval mode, the
-            evaluation after it."""
-            return lambda module, *_: watchdog.mark(
-                stepper.attempts, training if module.training else EVALUATING
-            )
-
-        self.model.register_forward_pre_hook(phase(FORWARD))
-        self.model.register_forward_hook(phase(FORWARD_DONE))
         faults = FaultInjector(ctx.rank, restart_count=self.restarted)
         if faults:  # in the model's forward: inside DDP's, after its own collectives
+            stepper = self.stepper
             self.model.register_forward_pre_hook(lambda *_: faults.check(stepper.attempts))
         self.state = TrainingState(
             config=config,

@@ -25,9 +25,9 @@ class LossWindow:
     """Per-task loss sums and counts since the last report, on this rank.
 
     A column per task, and one more for losses given as a batch's mean (a step whose loss is
-    not per sample), which count in ``loss`` but in no ``loss/<task>``. Per-sample losses are
-    held as they come and added :data:`HELD` batches at a time: a few tensor operations every
-    ``HELD`` steps rather than every step.
+    not per sample), which count in ``loss`` but in no ``loss/<task>``. Losses are held as they
+    come and added :data:`HELD` batches at a time: a few tensor operations every ``HELD``
+    steps rather than every step.
     """
 
     def __init__(self, tasks: Sequence[str], device: torch.device) -> None:
@@ -38,6 +38,7 @@ class LossWindow:
         self._sums = torch.zeros(2, len(self.tasks) + 1, dtype=torch.float64, device=device)
         self._ids = TaskIds(len(self.tasks))
         self._held: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._held_means: list[tuple[torch.Tensor, int]] = []
 
     def add(self, per_sample: torch.Tensor, task_ids: torch.Tensor | None) -> None:
         """Add a batch's per-sample losses (detached), each to its task; without declared
@@ -54,6 +55,13 @@ class LossWindow:
 
     def _add_held(self) -> None:
         """Add the held batches' losses to the sums, each to its task."""
+        if self._held_means:
+            means, self._held_means = self._held_means, []
+            values = torch.stack([mean for mean, _ in means]).to(torch.float64)
+            counts = [count for _, count in means]
+            weights = torch.tensor(counts, dtype=torch.float64).to(values.device)
+            self._sums[0, -1] += values @ weights
+            self._sums[1, -1] += sum(counts)
         if not self._held:
             return
         held, self._held = self._held, []
@@ -68,9 +76,11 @@ class LossWindow:
         self._sums[1].index_add_(0, ids, torch.ones_like(losses))
 
     def add_mean(self, mean: torch.Tensor, samples: int) -> None:
-        """Add a batch's mean loss over ``samples`` samples (no task: not per sample)."""
-        self._sums[0, -1] += mean.detach().to(torch.float64) * samples
-        self._sums[1, -1] += samples
+        """Add a batch's mean loss over ``samples`` samples (no task: not per sample); held
+        as per-sample losses are."""
+        self._held_means.append((mean.detach(), samples))
+        if len(self._held_means) == HELD:
+            self._add_held()
 
     def finite(self) -> bool:
         """Whether every loss added since the last report was finite (a host sync)."""
@@ -98,8 +108,9 @@ class PendingReport:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        metrics = per_task("loss", self._tasks, self._sums)
-        metrics["samples"] = self._sums[1].sum().item()
+        values, counts = self._sums.tolist()  # one read from the device
+        metrics = means("loss", self._tasks, values, counts)
+        metrics["samples"] = sum(counts)
         return metrics
 
 
@@ -107,10 +118,17 @@ def per_task(name: str, tasks: tuple[str, ...], sums: torch.Tensor) -> dict[str,
     """``name``'s mean over all samples and, with several tasks, ``name/<task>``'s, from
     ``sums`` (``[2, columns]``: sums and counts, a column per task, then any further ones
     that count in the overall mean only)."""
-    total, count = sums.sum(dim=1).tolist()
+    return means(name, tasks, *sums.tolist())
+
+
+def means(
+    name: str, tasks: tuple[str, ...], values: list[float], counts: list[float]
+) -> dict[str, float]:
+    """:func:`per_task`'s means from the sums' two rows, read already."""
+    total, count = sum(values), sum(counts)
     metrics = {name: total / count if count else float("nan")}
     if len(tasks) > 1:
-        for task, (s, n) in zip(tasks, sums[:, : len(tasks)].T.tolist(), strict=True):
+        for task, s, n in zip(tasks, values, counts, strict=False):
             metrics[f"{name}/{task}"] = s / n if n else float("nan")
     return metrics
 

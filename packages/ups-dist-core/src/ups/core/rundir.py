@@ -65,6 +65,7 @@ class RunFiles:
     def __init__(self, config: Config, ctx: RunContext) -> None:
         self.folder = config.run_dir
         self.enabled = ctx.is_main
+        self._metrics_fd: int | None = None
         if self.enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
             text = yaml.safe_dump(_plain(attrs.asdict(config)), sort_keys=False)
@@ -80,17 +81,24 @@ class RunFiles:
     ) -> None:
         """Append one line of metrics (NaN written as ``null``), in one write (a kill leaves
         whole lines, but for the last), without Python's buffered file on top (a report's
-        cost is the engine's, every ``run.log_every`` steps)."""
+        cost is the engine's, every ``run.log_every`` steps). The file is opened at the first
+        line, after a resume has cut it (:func:`keep_until`), and stays open until
+        :meth:`close`."""
         if not self.enabled:
             return
         record = {"kind": kind, "step": step} | {
             k: None if isinstance(v, float) and math.isnan(v) else v for k, v in values.items()
         }
-        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(record) + "\n").encode())
-        finally:
-            os.close(fd)
+        if self._metrics_fd is None:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+            self._metrics_fd = os.open(self.metrics_path, flags, 0o644)
+        os.write(self._metrics_fd, (json.dumps(record) + "\n").encode())
+
+    def close(self) -> None:
+        """Close ``metrics.jsonl`` (a later line opens it again)."""
+        if self._metrics_fd is not None:
+            os.close(self._metrics_fd)
+            self._metrics_fd = None
 
     def preempted(self, step: int) -> None:
         """Record that a preemption signal stopped the run, saved at ``step``."""

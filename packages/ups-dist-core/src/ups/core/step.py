@@ -55,6 +55,41 @@ CRITERIA: dict[str, Criterion] = {
 """The losses ``training.loss`` names, unreduced."""
 
 
+MEANS = {"mse": "mse_loss", "l1": "l1_loss"}
+"""The losses whose mean over a batch (``torch.nn.functional``'s default reduction) is the mean
+of their per-sample losses, when outputs and targets have one shape: every sample averages over
+as many elements."""
+
+
+def batch_mean(step: Step) -> Callable[[Any, Any], torch.Tensor | None] | None:
+    """For the built-in step's loss by name (one of :data:`MEANS`): ``mean(outputs, batch)``,
+    the batch's mean loss in one operation, or ``None`` where outputs and target differ in
+    shape (then only :meth:`Step.loss` says what the loss is). ``None`` for other steps."""
+    criterion = _raw(step, "criterion")
+    if type(step).loss is not Step.loss or not isinstance(criterion, str):
+        return None
+    name, where = MEANS.get(criterion), _raw(step, "target")
+    if name is None:
+        return None
+
+    def mean(outputs: Any, batch: Any) -> torch.Tensor | None:
+        import torch
+        from torch.nn import functional
+
+        target = pick(batch, where, "step.target")
+        if not (
+            isinstance(outputs, torch.Tensor)
+            and isinstance(target, torch.Tensor)
+            and outputs.shape == target.shape
+            and outputs.dim()
+            and outputs.is_floating_point()
+        ):
+            return None
+        return getattr(functional, name)(outputs, target).float()  # type: ignore[no-any-return]
+
+    return mean
+
+
 _UNSET: Any = object()
 """``task``'s default in the constructor (``None`` there means: no tasks)."""
 

@@ -37,9 +37,9 @@ from .config import TrainingConfig
 from .context import RunContext
 from .errors import ConfigError, UsageError
 from .metrics import LossWindow
-from .step import Step, StepError, _raw
+from .step import Step, StepError, _raw, batch_mean
 from .user_metrics import UserMetrics
-from .watchdog import BACKWARD, DONE, STARTED, Watchdog
+from .watchdog import BACKWARD, DONE, EVALUATING, FORWARD, FORWARD_DONE, STARTED, Watchdog
 
 log = structlog.get_logger()
 
@@ -61,24 +61,30 @@ class Loss:
     items, each of which weighs the same in the step."""
 
     value: torch.Tensor
-    """What the step's ``loss`` gave: the per-sample losses, or a 0-d mean."""
+    """What the step's ``loss`` gave: the per-sample losses, or a 0-d mean; or, ``averaged``,
+    the per-sample losses' mean."""
     count: int
     """The samples; the count of ``(mean, count)``; 1 for a 0-d mean (its micro-batch then
     counts once, whatever its size)."""
     kind: Kind
+    averaged: bool = False
+    """Whether ``value`` is the mean of the per-sample losses (``kind`` ``samples``) taken in
+    one operation (the built-in step's loss by name: :func:`~ups.core.step.batch_mean`)."""
 
     @property
     def total(self) -> torch.Tensor:
         """The per-sample losses' sum; ``mean * count`` for ``(mean, count)``; a 0-d mean."""
         if self.kind == "samples":
-            return self.value.sum()
+            return self.value * self.count if self.averaged else self.value.sum()
         return self.value * self.count if self.kind == "count" else self.value
 
     @property
     def mean(self) -> torch.Tensor:
         """The micro-batch's mean loss: what a step of this micro-batch alone differentiates
         (one operation at most: the mean of per-sample losses)."""
-        return self.value.mean() if self.kind == "samples" else self.value
+        if self.kind == "samples" and not self.averaged:
+            return self.value.mean()
+        return self.value
 
 
 @attrs.frozen
@@ -105,7 +111,8 @@ class Taken:
 class Forward:
     """One micro-batch through a step: to the device, the step's forward and loss under
     autocast, its metrics without gradients; the same in training, evaluation and trials.
-    ``watchdog`` is told which user code runs, by the config key naming it: a step's own
+    ``watchdog`` is told the phase (the forward begun and done, or an evaluation's forward, as
+    the module's mode says) and which user code runs, by the config key naming it: a step's own
     ``forward`` and ``loss`` (``step.factory``), the metrics (``metrics.factory``)."""
 
     def __init__(
@@ -117,9 +124,14 @@ class Forward:
         watchdog: Watchdog,
         *,
         pinned: bool,
+        per_task: bool = False,
     ) -> None:
         self.step, self.ctx, self.metrics, self.watchdog = step, ctx, metrics, watchdog
         self._precision, self._non_blocking = precision, pinned and ctx.device.type == "cuda"
+        self._mean = None if per_task else batch_mean(step)
+        """With one task, the built-in step's loss by name is taken as the batch's mean in one
+        operation: what the step differentiates and the report adds up, with no per-sample
+        losses to keep (:class:`Loss`'s ``averaged``)."""
         self.name = type(step).__qualname__
         """The step's class, as messages name it."""
         own_forward = type(step).forward is not Step.forward
@@ -132,16 +144,22 @@ class Forward:
     ) -> tuple[Loss, Taken]:
         """The micro-batch's loss (to differentiate, once weighed) and what it adds to the
         metrics. ``samples``: the batch's ``step.batch_size``, when counted already."""
-        step = self.step
+        step, watchdog, training = self.step, self.watchdog, module.training
         batch = to_device(batch, self.ctx.device, non_blocking=self._non_blocking)
         with self.autocast():
-            with self.watchdog.calling(self._forward_key):
+            watchdog.phase(FORWARD if training else EVALUATING)
+            with watchdog.calling(self._forward_key):
                 outputs = step.forward(module, batch)
-            with self.watchdog.calling(self._loss_key):
-                returned = step.loss(outputs, batch)
-        if samples is None:
-            samples = step.batch_size(batch)
-        loss, counted, weight = self._checked(returned, samples)
+            watchdog.phase(FORWARD_DONE if training else EVALUATING)
+            if samples is None:
+                samples = step.batch_size(batch)
+            mean = self._mean(outputs, batch) if self._mean is not None else None
+            if mean is not None and len(outputs) == samples:
+                loss, counted, weight = Loss(mean, samples, "samples", averaged=True), mean, samples
+            else:
+                with watchdog.calling(self._loss_key):
+                    returned = step.loss(outputs, batch)
+                loss, counted, weight = self._checked(returned, samples)
         values = {}
         if self.metrics.measured:
             with torch.no_grad(), self.watchdog.calling(self.metrics.key):

@@ -182,6 +182,10 @@ class Watchdog:
         """This rank reached ``phase`` of its ``step``-th attempted step (cheap: no I/O)."""
         self._mark, self._moved = (step, phase), time.monotonic()
 
+    def phase(self, phase: int) -> None:
+        """This rank reached ``phase`` of the step it marked last."""
+        self._mark, self._moved = (self._mark[0], phase), time.monotonic()
+
     def calling(self, key: str | None) -> contextlib.AbstractContextManager[None]:
         """While open, this rank runs the user code that the config's ``key`` names (such as
         ``metrics.factory``; ``None``: ups's own code, which needs no telling: it costs
