@@ -7,10 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ups.core import ConfigError, LossWindow, Preemption, RunContext, Watchdog, decide
 from ups.core.testing import run_ranks
@@ -24,12 +27,25 @@ which imports neither)."""
 def _loop(ctx: RunContext) -> dict[str, Any]:
     window = LossWindow(("a", "b"), ctx.device)
     stopped_at = None
-    with Preemption(ctx) as preemption, Watchdog(ctx) as watchdog:  # SIGTERM, SIGUSR1
-        for step in range(1, 10):
+    checks = 0
+    all_reduce = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal checks
+        checks += 1
+        return all_reduce(*args, **kwargs)
+
+    with (
+        mock.patch.object(dist, "all_reduce", counted),
+        Preemption(ctx) as preemption,  # SIGTERM, SIGUSR1
+        Watchdog(ctx) as watchdog,
+    ):
+        for step in range(1, 2000):
             watchdog.mark(step)
+            time.sleep(0.002 * (1 + ctx.rank))  # steps of 2 ms on rank 0, 4 ms on rank 1
             # rank r: task a's losses are r, task b's 10 + r
             window.add(torch.tensor([ctx.rank, 10.0 + ctx.rank]), torch.tensor([0, 1]))
-            if step == 2 and ctx.rank == 1:
+            if step == 20 and ctx.rank == 1:
                 os.kill(os.getpid(), signal.SIGTERM)
             if preemption.agreed():
                 stopped_at = step
@@ -38,17 +54,25 @@ def _loop(ctx: RunContext) -> dict[str, Any]:
         "decided": decide(ctx, lambda: f"rank {ctx.rank} decided"),
         "metrics": window.report(ctx).result(),
         "stopped_at": stopped_at,
+        "checks": checks,
         "engine": [name for name in ENGINE if name in sys.modules],
     }
 
 
 @pytest.mark.slow
 def test_the_own_loop_parts_with_their_defaults_and_without_the_engine() -> None:
-    for result in run_ranks(_loop, 2):
+    results = run_ranks(_loop, 2)
+    stopped_at = results[0]["stopped_at"]
+    # on every rank at the same step, within two checks (about 0.1 s of 4 ms steps apart)
+    assert all(result["stopped_at"] == stopped_at for result in results)
+    assert 20 < stopped_at < 20 + 2 * 0.1 / 0.004 + 20
+    # not an all-reduce a step: about one every 0.1 s (25 steps of rank 1), after the first two
+    assert all(2 < result["checks"] <= 3 + stopped_at // 12 for result in results)
+    for result in results:
         assert result["decided"] == "rank 0 decided"
-        # steps 1-3 on two ranks: a's mean (0 + 1) / 2, b's (10 + 11) / 2
-        assert result["metrics"] == {"loss": 5.5, "loss/a": 0.5, "loss/b": 10.5, "samples": 12}
-        assert result["stopped_at"] == 3  # one step after the signal, on every rank
+        # two ranks: a's mean (0 + 1) / 2, b's (10 + 11) / 2
+        samples = 4 * stopped_at
+        assert result["metrics"] == {"loss": 5.5, "loss/a": 0.5, "loss/b": 10.5, "samples": samples}
         assert result["engine"] == []
 
 

@@ -3,17 +3,24 @@
 Schedulers warn a job before they kill it: SLURM sends SIGUSR1 (``--signal``) or SIGTERM,
 torchrun's agent forwards SIGTERM, a cloud spot instance gets SIGTERM. The ranks do not get the
 signal at the same step, or at all (SLURM may signal the batch step only), so no rank may act
-on its own: each step every rank posts whether it was signalled to an all-reduce that runs in
-the background, and reads the previous step's result. One step after any rank was signalled,
-every rank learns it at the same step, saves, and stops. The cost is one asynchronous
-all-reduce of one number per step, never waited for while it runs (none when no signal is
-watched).
+on its own: at agreed steps every rank posts whether it was signalled to an all-reduce that
+runs in the background, and reads the previous one's result; soon after any rank was
+signalled (two checks, about :data:`CHECK_EVERY_S` seconds apart, where steps are short;
+every step where they are long), every rank learns it at the same step, saves, and stops.
+The ranks agree on the steps between checks in the same all-reduce: each proposes as many as
+take about :data:`CHECK_EVERY_S` of its time, and the fewest proposed counts. The cost is one
+asynchronous all-reduce of two numbers per check, never waited for while it runs (none when
+no signal is watched), and no per-step collective on a model whose steps are short: fewer
+collectives posted from Python, each of which has gloo's thread create a Python thread state
+when it lets go of the tensor (the moment a fork can deadlock on Python before 3.11.8,
+CPython gh-112275).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +36,11 @@ log = structlog.get_logger()
 
 Handler = Any
 """What :func:`signal.signal` returns: a callable, an int, or ``None``."""
+
+CHECK_EVERY_S = 0.1
+"""About how many seconds of training pass between two checks for a signal."""
+MOST_STEPS = 1000
+"""The most steps between two checks."""
 
 
 class Preemption:
@@ -59,8 +71,15 @@ class Preemption:
         """Whether the ranks agreed to stop (:meth:`agreed` said so)."""
         self._previous: dict[signal.Signals, Handler] = {}
         device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-        self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self._posted = torch.zeros(2, dtype=torch.int64, device=device)
+        """Posted to each check's all-reduce: signalled (0 or 1), minus the steps proposed
+        until the next check (so that the maximum is the fewest)."""
         self._work: dist.Work | None = None
+        self._calls = 0
+        self._due = 1
+        """The call that checks next."""
+        self._checked: tuple[int, float] | None = None
+        """The call that checked last, and when."""
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():
@@ -77,22 +96,37 @@ class Preemption:
         self._previous.clear()
 
     def agreed(self) -> bool:
-        """Whether any rank was signalled by the previous call (every rank calls this once
-        per step; the answer is the same on every rank)."""
+        """Whether the ranks agree to stop here, some rank having been signalled (every rank
+        calls this once per step; the answer is the same on every rank, at the same call)."""
         if not self.ctx.distributed or not self.signals:  # nothing to agree on
             self.stopped = self.received is not None
             return self.stopped
-        stop = False
+        self._calls += 1
+        if self._calls < self._due:
+            return False
+        stop, steps = False, 1
         if self._work is not None:
             self._work.wait()
-            stop = bool(self._flag.item())
-        if not stop:
-            self._flag.fill_(int(self.received is not None))
-            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
-        else:
+            signalled, fewest = self._posted.tolist()
+            stop, steps = bool(signalled), -fewest
+        if stop:
             self._work = None
+        else:
+            self._posted.copy_(torch.tensor([int(self.received is not None), -self._proposal()]))
+            self._work = dist.all_reduce(self._posted, op=dist.ReduceOp.MAX, async_op=True)
+        self._due = self._calls + steps
         self.stopped = stop
         return stop
+
+    def _proposal(self) -> int:
+        """The steps this rank proposes until the next check: about :data:`CHECK_EVERY_S` of
+        its time, as long as its steps took since the last check (1 at the first)."""
+        now = time.monotonic()
+        last, self._checked = self._checked, (self._calls, now)
+        if last is None:
+            return 1
+        per_step = (now - last[1]) / (self._calls - last[0])
+        return max(1, min(MOST_STEPS, int(CHECK_EVERY_S / max(per_step, 1e-9))))
 
     def _handle(self, signum: int, _frame: types.FrameType | None) -> None:
         sig = signal.Signals(signum)
