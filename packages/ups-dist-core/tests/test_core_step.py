@@ -407,6 +407,13 @@ class Scaled(torch.nn.Module):
         return x * self.weight
 
 
+class OwnLoss(Step):
+    """The built-in loss, as a step of one's own: per sample, as :meth:`Step.loss` gives it."""
+
+    def loss(self, outputs: Any, batch: Any) -> Any:
+        return super().loss(outputs, batch)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     criterion=st.sampled_from(["mse", "l1"]),
@@ -416,8 +423,9 @@ class Scaled(torch.nn.Module):
 def test_the_built_in_loss_by_name_taken_as_one_mean_weighs_and_reports_as_per_sample(
     criterion: str, shape: list[int], seed: int
 ) -> None:
-    """With one task, the built-in step's ``mse`` or ``l1`` is taken as the batch's mean in
-    one operation; its gradient and what it adds to the report are the per-sample path's."""
+    """The built-in step's ``mse`` or ``l1`` is taken as the batch's mean in one operation
+    (with one task, the report adds up that mean; with several, per-sample losses taken
+    without gradients); its gradient and the report are the per-sample path's."""
     from ups.core import RunContext
     from ups.core.metrics import LossWindow
     from ups.core.stepping import Forward
@@ -428,26 +436,31 @@ def test_the_built_in_loss_by_name_taken_as_one_mean_weighs_and_reports_as_per_s
     generator = torch.Generator().manual_seed(seed)
     batch = (torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator))
     results = []
-    for per_task in (False, True):
+    for per_task, averaged in ((False, True), (True, True), (None, False)):
         model = Scaled()
+        step = Step(criterion=criterion)
+        if averaged is False:  # the per-sample path, as a step of one's own would take it
+            step = OwnLoss(criterion=criterion)
         forward = Forward(
-            Step(criterion=criterion),
+            step,
             ctx,
             "fp32",
             UserMetrics({}, ("all",), ctx.device),
             Watchdog(ctx, "test"),
             pinned=False,
-            per_task=per_task,
+            per_task=bool(per_task),
         )
         loss, taken = forward(model, batch)
-        assert loss.averaged is not per_task
+        assert loss.averaged is averaged
+        assert taken.loss.dim() == (0 if per_task is False else 1)
         (loss.mean + loss.total).backward()  # type: ignore[no-untyped-call]
         window = LossWindow((), ctx.device)
         taken.count(window, forward.metrics)
         results.append((model.weight.grad, window.report(ctx).result()))
-    (fused_grad, fused_report), (grad, report) = results
-    torch.testing.assert_close(fused_grad, grad, rtol=1e-5, atol=1e-6)
-    assert fused_report == pytest.approx(report, rel=1e-6)
+    *fused, (grad, report) = results
+    for fused_grad, fused_report in fused:
+        torch.testing.assert_close(fused_grad, grad, rtol=1e-5, atol=1e-6)
+        assert fused_report == pytest.approx(report, rel=1e-6)
 
 
 def test_outputs_and_target_of_other_shapes_keep_the_per_sample_loss() -> None:

@@ -128,10 +128,12 @@ class Forward:
     ) -> None:
         self.step, self.ctx, self.metrics, self.watchdog = step, ctx, metrics, watchdog
         self._precision, self._non_blocking = precision, pinned and ctx.device.type == "cuda"
-        self._mean = None if per_task else batch_mean(step)
-        """With one task, the built-in step's loss by name is taken as the batch's mean in one
-        operation: what the step differentiates and the report adds up, with no per-sample
-        losses to keep (:class:`Loss`'s ``averaged``)."""
+        self._mean = batch_mean(step)
+        """The built-in step's loss by name is taken as the batch's mean in one operation: what
+        the step differentiates (:class:`Loss`'s ``averaged``) and, with one task, what the
+        report adds up; with several (``per_task``), the report's per-sample losses are taken
+        without gradients."""
+        self._per_task = per_task
         self.name = type(step).__qualname__
         """The step's class, as messages name it."""
         own_forward = type(step).forward is not Step.forward
@@ -156,6 +158,9 @@ class Forward:
             mean = self._mean(outputs, batch) if self._mean is not None else None
             if mean is not None and len(outputs) == samples:
                 loss, counted, weight = Loss(mean, samples, "samples", averaged=True), mean, samples
+                if self._per_task:
+                    with torch.no_grad():
+                        counted = step.loss(outputs, batch)  # type: ignore[assignment]
             else:
                 with watchdog.calling(self._loss_key):
                     returned = step.loss(outputs, batch)
