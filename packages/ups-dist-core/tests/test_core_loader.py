@@ -5,6 +5,7 @@ done to CUDA's."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy
@@ -149,3 +150,53 @@ def test_only_reads_that_draw_are_seeded_and_they_draw_their_places_numbers(
         else []
     )
     assert sorted(dataset.reads) == sorted(list(range(40)) + again)
+
+
+READERS = '''
+import os
+import torch
+from torch.utils.data import Dataset
+
+
+class Recorded(Dataset):
+    """Samples of 4 inputs and their sum; each read appends the reading process's pid to
+    ``log``."""
+
+    def __init__(self, log, n=16):
+        self.log, self.x = log, torch.randn(n, 4, generator=torch.Generator().manual_seed(1))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        with open(self.log, "a") as file:
+            file.write(f"{os.getpid()}\\n")
+        return self.x[index], self.x[index].sum(dim=0, keepdim=True)
+'''
+
+
+def test_evaluation_workers_are_forked_once_a_run_whatever_persistent_workers_says(
+    tmp_path: Path,
+) -> None:
+    """Every fork of a rank's loader workers risks Python's fork hang (CPython gh-112275,
+    before 3.11.8): the evaluation set does not change, so its workers are kept between
+    evaluations. Six evaluations read from the same two workers."""
+    from ups.core import train
+    from ups.core.testing import tiny_project
+
+    config = tiny_project(
+        tmp_path,
+        data={"loader": {"num_workers": 2, "persistent_workers": False}},
+        eval={
+            "factory": "readers.py:Recorded",
+            "options": {"log": str(tmp_path / "eval_readers.txt")},
+            "every_steps": 2,
+        },
+        training={"epochs": 2, "max_steps": 12},
+    )
+    (tmp_path / "readers.py").write_text(READERS)
+    result = train(config)
+    assert len(result.eval_metrics) == 6
+    readers = (tmp_path / "eval_readers.txt").read_text().split()
+    assert len(readers) == 6 * 16
+    assert len(set(readers)) == 2, "fresh workers at an evaluation"

@@ -77,7 +77,8 @@ class LoaderConfig:
     pin_memory: bool | None = None
     """Collate into pinned memory, for asynchronous copies to the GPU; ``null``: on with CUDA."""
     persistent_workers: bool = False
-    """Keep the workers between epochs (needs ``num_workers > 0``)."""
+    """Keep the training loader's workers between epochs (needs ``num_workers > 0``); the
+    evaluation's are kept between evaluations whatever this says."""
     prefetch_factor: int | None = attrs.field(default=None, validator=at_least(1))
     """Batches each worker reads ahead; ``null``: torch's default, 2 (needs ``num_workers > 0``)."""
     collate: str | None = None

@@ -134,8 +134,10 @@ class Run:
                 registry, config.eval.sampler, "eval.sampler", exact=True
             )
             shards = plugin.factory(eval_set, ctx=ctx, seed=config.run.seed, options=options)
+            # Its workers are kept between evaluations: an evaluation set does not change, and
+            # every fork of a rank's workers risks Python's fork hang (own-model.md, 8).
             self.eval_loader = self._loader(
-                eval_set, shards, config.eval.batch_size or t.batch_size
+                eval_set, shards, config.eval.batch_size or t.batch_size, persistent=True
             )
         check_data(config, self.loader, self.eval_loader, ctx.world_size)
         comm_state: object | None = None
@@ -436,12 +438,19 @@ class Run:
         samples = [self.dataset[i % len(self.dataset)] for i in range(size)]
         return self.loader.collate_fn(samples)
 
-    def _loader(self, dataset: Any, sampler: Any, batch_size: int) -> DataLoader[Any]:
+    def _loader(
+        self, dataset: Any, sampler: Any, batch_size: int, *, persistent: bool = False
+    ) -> DataLoader[Any]:
+        """A loader as ``data.loader`` says; its workers kept between passes where
+        ``persistent``, whatever ``persistent_workers`` says."""
+        options = self.config.data.loader
+        if persistent and options.num_workers:
+            options = attrs.evolve(options, persistent_workers=True)
         return data_loader(
             dataset,
             sampler,
             batch_size,
-            self.config.data.loader,
+            options,
             device=self.ctx.device,
             seed=self.config.run.seed,
             rank=self.ctx.rank,
