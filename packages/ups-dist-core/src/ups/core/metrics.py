@@ -71,8 +71,9 @@ class LossWindow:
             self._sums[1, 0] += len(losses)
             return
         losses = losses.to(torch.float64)
-        if all(task_ids is not None and task_ids.dim() == 1 for _, task_ids in held):
-            ids = torch.cat([task_ids for _, task_ids in held]).to(losses.device, torch.long)
+        given = [task_ids for _, task_ids in held if task_ids is not None and task_ids.dim() == 1]
+        if len(given) == len(held):
+            ids = torch.cat(given).to(losses.device, torch.long)
         else:
             ids = torch.cat([self._ids.index(task_ids, batch) for batch, task_ids in held])
         self._sums[0].index_add_(0, ids, losses)
