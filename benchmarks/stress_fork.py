@@ -4,14 +4,16 @@ Python before 3.11.8 can deadlock a child in ``os.fork()`` when another thread o
 creates or ends a thread state at that moment (CPython gh-112275): the new worker never runs,
 and its rank waits for a batch that never comes. This runs ``ups train --nproc 2`` of the tiny
 project of ``ups.core.testing`` again and again for ``--minutes``, each run ``--steps`` steps with
-an evaluation after every step, the loader's 2 workers fresh at every evaluation and epoch
-(``persistent_workers: false``): ranks with the engine's threads (the step watchdog, gloo's)
-forking workers hundreds of times a run. A hung worker stops its run: the step watchdog names
+an evaluation after every step, the training loader's 2 workers fresh at every epoch
+(``persistent_workers: false``), the evaluation's forked once a run (the engine keeps them
+since issue 26; before, they were forked at every evaluation): ranks with the engine's threads
+(the step watchdog, gloo's) forking workers many times a run. A hung worker stops its run: the step watchdog names
 the rank after ``distributed.timeout_s`` (``--timeout``), or the run passes ``--run-timeout``.
 Every run's leftover processes (a hung fork outlives its rank) are killed before the next.
 
 Prints and writes (``--out``, default ``.nox-reports/stress_fork.json``) the forks made (counted
-from the runs' evaluations and epochs), the hangs, and hangs per 10,000 forks. Not a test: it
+from the runs' evaluations and epochs), the hangs, and hangs per 10,000 forks and per 10,000
+evaluations (what a user's run meets, whatever the forks behind it). Not a test: it
 takes minutes, and a rate needs thousands of forks; ``docs/benchmarks.md`` has the figures.
 """
 
@@ -80,7 +82,7 @@ def one_run(folder: Path, steps: int, timeout_s: float, run_timeout_s: float) ->
     return {
         "outcome": outcome,
         "hung": outcome != "ok",
-        "forks": (evaluated + epochs) * WORKERS * RANKS,
+        "forks": (min(evaluated, 1) + epochs) * WORKERS * RANKS,
         "evaluations": evaluated,
         "seconds": round(seconds, 1),
         "leftovers": len(left),
@@ -124,6 +126,10 @@ def main() -> None:
         "forks": forks,
         "hangs": hangs,
         "hangs_per_10k_forks": round(hangs / forks * 10_000, 2) if forks else None,
+        "evaluations": (evaluations := sum(int(str(run["evaluations"])) for run in runs)),
+        "hangs_per_10k_evaluations": round(hangs / evaluations * 10_000, 2)
+        if evaluations
+        else None,
         "each": runs,
     }
     options.out.parent.mkdir(parents=True, exist_ok=True)

@@ -218,13 +218,16 @@ class SeededData(Dataset[Any]):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """The samples at ``indices``, each read with its seed set (a dataset that reads a
         batch at once, with its own ``__getitems__``, with its first sample's)."""
-        if getattr(indices, "base", None) is None or not self._generators:
+        generators = self._generators
+        if not generators or getattr(indices, "base", None) is None:
             return self._read(indices)
-        saved = [generator.get_state() for generator in self._generators]
+        saved = [generator.get_state() for generator in generators]
         if not self.draws:
             samples = self._read(indices)
-            moved = [g.get_state() for g in self._generators]
-            if all(g.same(a, b) for g, a, b in zip(self._generators, saved, moved, strict=True)):
+            if len(generators) == 1:  # the usual (torch's alone): no generator expressions
+                if generators[0].same(saved[0], generators[0].get_state()):
+                    return samples
+            elif all(g.same(a, g.get_state()) for g, a in zip(generators, saved, strict=True)):
                 return samples
             self.draws = True
         try:

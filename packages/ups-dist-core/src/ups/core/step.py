@@ -72,20 +72,22 @@ def batch_mean(step: Step) -> Callable[[Any, Any], torch.Tensor | None] | None:
     if name is None:
         return None
 
-    def mean(outputs: Any, batch: Any) -> torch.Tensor | None:
-        import torch
-        from torch.nn import functional
+    import torch
+    from torch.nn import functional
 
+    fn, tensor = getattr(functional, name), torch.Tensor
+
+    def mean(outputs: Any, batch: Any) -> torch.Tensor | None:
         target = pick(batch, where, "step.target")
         if not (
-            isinstance(outputs, torch.Tensor)
-            and isinstance(target, torch.Tensor)
+            isinstance(outputs, tensor)
+            and isinstance(target, tensor)
             and outputs.shape == target.shape
             and outputs.dim()
             and outputs.is_floating_point()
         ):
             return None
-        return getattr(functional, name)(outputs, target).float()  # type: ignore[no-any-return]
+        return fn(outputs, target).float()  # type: ignore[no-any-return]
 
     return mean
 

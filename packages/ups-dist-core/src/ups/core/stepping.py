@@ -44,6 +44,8 @@ from .watchdog import BACKWARD, DONE, EVALUATING, FORWARD, FORWARD_DONE, STARTED
 log = structlog.get_logger()
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_NO_AUTOCAST = contextlib.nullcontext()
+"""fp32's autocast: none (a ``nullcontext`` may be entered again and again)."""
 
 Kind = Literal["samples", "count", "mean"]
 """What a step's ``loss`` returned: one loss per sample, ``(mean, count)``, or a 0-d mean."""
@@ -174,7 +176,7 @@ class Forward:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's autocast (none for fp32)."""
         if self._precision == "fp32":
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.ctx.device.type, dtype=AUTOCAST_DTYPES[self._precision])
 
     def _checked(self, returned: Any, samples: int) -> tuple[Loss, torch.Tensor, int]:
