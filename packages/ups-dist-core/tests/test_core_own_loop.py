@@ -9,14 +9,12 @@ import signal
 import sys
 import time
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ups.core import ConfigError, LossWindow, Preemption, RunContext, Watchdog, decide
-from ups.core.testing import run_ranks
+from ups.core.testing import counting_all_reduces, run_ranks
 
 ENGINE = ("ups.core.engine", "ups.core.stepping", "ups.core.resume")
 """Modules only the engine needs (the ranks here run under ``ups.core.testing``, which imports
@@ -27,16 +25,8 @@ which imports neither)."""
 def _loop(ctx: RunContext) -> dict[str, Any]:
     window = LossWindow(("a", "b"), ctx.device)
     stopped_at = None
-    checks = 0
-    all_reduce = dist.all_reduce
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal checks
-        checks += 1
-        return all_reduce(*args, **kwargs)
-
     with (
-        mock.patch.object(dist, "all_reduce", counted),
+        counting_all_reduces() as checks,
         Preemption(ctx) as preemption,  # SIGTERM, SIGUSR1
         Watchdog(ctx) as watchdog,
     ):
@@ -54,7 +44,7 @@ def _loop(ctx: RunContext) -> dict[str, Any]:
         "decided": decide(ctx, lambda: f"rank {ctx.rank} decided"),
         "metrics": window.report(ctx).result(),
         "stopped_at": stopped_at,
-        "checks": checks,
+        "checks": checks[0],
         "engine": [name for name in ENGINE if name in sys.modules],
     }
 

@@ -4,16 +4,13 @@ different names get an error on every rank instead of a deadlock."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-from unittest import mock
 
 import pytest
-import torch.distributed as dist
 
 from ups.core import ConfigError, RunContext, Step, load_config, load_plugins, train
 from ups.core.engine import train as train_rank
 from ups.core.step import has_metrics
-from ups.core.testing import run_ranks, tiny_project
+from ups.core.testing import counting_all_reduces, run_ranks, tiny_project
 from ups.core.user_metrics import UserMetrics
 
 METRICS_MODULE = """
@@ -108,17 +105,9 @@ def test_a_bad_reduction_is_a_config_error_naming_the_key(tmp_path: Path) -> Non
 def _collectives_per_report(ctx: RunContext, measured: bool) -> int:
     """The ``torch.distributed`` all-reduces of one report of a window without metrics."""
     metrics = UserMetrics({}, ("all",), ctx.device, measured=measured)
-    calls = 0
-    all_reduce = dist.all_reduce
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return all_reduce(*args, **kwargs)
-
-    with mock.patch.object(dist, "all_reduce", counted):
+    with counting_all_reduces() as calls:
         assert metrics.report(ctx).result() == {}
-    return calls
+    return calls[0]
 
 
 def test_a_step_without_metrics_reports_them_with_no_collective() -> None:

@@ -112,6 +112,26 @@ def tracker_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {key: sorted(steps.items()) for key, steps in found.items()}
 
 
+@contextlib.contextmanager
+def counting_all_reduces() -> Iterator[list[int]]:
+    """While open, count this process's calls of ``torch.distributed.all_reduce`` (each still
+    runs); yields a one-item list holding the count so far."""
+    import torch.distributed as dist
+
+    count = [0]
+    all_reduce = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield count
+    finally:
+        dist.all_reduce = all_reduce
+
+
 def two_task_dataset(n: int = 64) -> TensorDataset:
     """A ``data.factory`` of two tasks, alternating: the target is the sum of the 4 inputs, or
     its negation; items are ``(inputs, target, task_id)``."""
