@@ -6,10 +6,11 @@ and its rank waits for a batch that never comes. This runs ``ups train --nproc 2
 project of ``ups.core.testing`` again and again for ``--minutes``, each run ``--steps`` steps with
 an evaluation after every step, the training loader's 2 workers fresh at every epoch
 (``persistent_workers: false``), the evaluation's forked once a run (the engine keeps them
-since issue 26; before, they were forked at every evaluation): ranks with the engine's threads
-(the step watchdog, gloo's) forking workers many times a run. A hung worker stops its run: the step watchdog names
-the rank after ``distributed.timeout_s`` (``--timeout``), or the run passes ``--run-timeout``.
-Every run's leftover processes (a hung fork outlives its rank) are killed before the next.
+since issue 26; before, they were forked at every evaluation): ranks with the engine's
+threads (the step watchdog, gloo's) forking workers many times a run. A hung worker stops its
+run: the step watchdog names the rank after ``distributed.timeout_s`` (``--timeout``), or the
+run passes ``--run-timeout``. Every run's leftover processes (a hung fork outlives its rank)
+are killed before the next.
 
 Prints and writes (``--out``, default ``.nox-reports/stress_fork.json``) the forks made (counted
 from the runs' evaluations and epochs), the hangs, and hangs per 10,000 forks and per 10,000

@@ -71,11 +71,7 @@ class LossWindow:
             self._sums[1, 0] += len(losses)
             return
         losses = losses.to(torch.float64)
-        given = [task_ids for _, task_ids in held if task_ids is not None and task_ids.dim() == 1]
-        if len(given) == len(held):
-            ids = torch.cat(given).to(losses.device, torch.long)
-        else:
-            ids = torch.cat([self._ids.index(task_ids, batch) for batch, task_ids in held])
+        ids = torch.cat([self._ids.index(task_ids, batch) for batch, task_ids in held])
         self._sums[0].index_add_(0, ids, losses)
         self._sums[1].index_add_(0, ids, torch.ones_like(losses))
 

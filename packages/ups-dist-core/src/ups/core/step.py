@@ -47,18 +47,16 @@ def _unreduced(name: str) -> Criterion:
     return criterion
 
 
-CRITERIA: dict[str, Criterion] = {
-    "mse": _unreduced("mse_loss"),
-    "l1": _unreduced("l1_loss"),
-    "cross_entropy": _unreduced("cross_entropy"),
-}
+FUNCTIONS = {"mse": "mse_loss", "l1": "l1_loss", "cross_entropy": "cross_entropy"}
+"""The losses ``training.loss`` names, and their functions in ``torch.nn.functional``."""
+
+CRITERIA: dict[str, Criterion] = {name: _unreduced(fn) for name, fn in FUNCTIONS.items()}
 """The losses ``training.loss`` names, unreduced."""
 
-
-MEANS = {"mse": "mse_loss", "l1": "l1_loss"}
+MEANS = ("mse", "l1")
 """The losses whose mean over a batch (``torch.nn.functional``'s default reduction) is the mean
 of their per-sample losses, when outputs and targets have one shape: every sample averages over
-as many elements."""
+as many elements (not ``cross_entropy``, whose mean leaves out ignored targets)."""
 
 
 def batch_mean(step: Step) -> Callable[[Any, Any], torch.Tensor | None] | None:
@@ -66,16 +64,13 @@ def batch_mean(step: Step) -> Callable[[Any, Any], torch.Tensor | None] | None:
     the batch's mean loss in one operation, or ``None`` where outputs and target differ in
     shape (then only :meth:`Step.loss` says what the loss is). ``None`` for other steps."""
     criterion = _raw(step, "criterion")
-    if type(step).loss is not Step.loss or not isinstance(criterion, str):
+    if type(step).loss is not Step.loss or criterion not in MEANS:
         return None
-    name, where = MEANS.get(criterion), _raw(step, "target")
-    if name is None:
-        return None
-
     import torch
     from torch.nn import functional
 
-    fn, tensor = getattr(functional, name), torch.Tensor
+    where, tensor = _raw(step, "target"), torch.Tensor
+    fn = getattr(functional, FUNCTIONS[criterion])
 
     def mean(outputs: Any, batch: Any) -> torch.Tensor | None:
         target = pick(batch, where, "step.target")
