@@ -44,6 +44,7 @@ from ups.core import (
     UsageError,
     config_from_mapping,
     load_plugins,
+    rank_failures,
     read_yaml,
     train,
 )
@@ -218,14 +219,9 @@ def objective_value(run_dir: Path, objective: Objective) -> float:
 def _reason(error: Exception) -> str:
     """Why a trial's job failed, in one line: the first rank's error for torchrun's."""
     if isinstance(error, ChildFailedError):
-        rank, failure = min(error.failures.items(), key=lambda item: item[1].timestamp)
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        text = f"rank {rank} failed: {message or f'exit code {failure.exitcode}'}"
-    else:
-        text = f"{type(error).__name__}: {error}"
-    return " ".join(text.split())
+        rank, message = rank_failures(error)[0]
+        return f"rank {rank} failed: {message}"
+    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def _set(data: dict[str, Any], key: str, value: object) -> dict[str, Any]:

@@ -273,25 +273,19 @@ def _agent_failure(error: Exception) -> int:
 
 
 def _failed(error: ChildFailedError, logs_dir: Path | None = None) -> int:
-    """Print one line for each failed rank, first to fail first: the message its error file
-    holds (see :func:`_train`), else how the process ended, and the rank's log file in
-    ``logs_dir``, which holds its traceback, if there is one; a usage error that ranks
-    raised alike, once. Return the exit status."""
+    """Print one line for each distinct error of the failed ranks, first to fail first
+    (:func:`~ups.core.launch.rank_failures`), with the rank's log file in ``logs_dir``, which
+    holds its traceback, if there is one. Return the exit status."""
+    from .launch import rank_failures
+
     # Ranks refused bad input (a usage error: exit 2 in the rank), and any other rank was
-    # stopped by a signal (the launcher ending the job): so does ups, saying it once, for the
-    # lowest rank that refused it.
+    # stopped by a signal (the launcher ending the job): so does ups, saying only the refusal.
     codes = [failure.exitcode for failure in error.failures.values()]
     usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
-    said = set()
-    order = (lambda f: f[0]) if usage else (lambda f: f[1].timestamp)
-    for rank, failure in sorted(error.failures.items(), key=order):
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        if usage and (failure.exitcode != EXIT_USAGE or message in said):
+    for rank, message in rank_failures(error):
+        if usage and error.failures[rank].exitcode != EXIT_USAGE:
             continue
-        said.add(message)
-        line = f"ups: rank {rank} failed: {message or f'exit code {failure.exitcode}'}"
+        line = f"ups: rank {rank} failed: {message}"
         log_file = None if logs_dir is None else logs_dir / f"rank{rank}.jsonl"
         if log_file is not None and log_file.is_file():
             line += f" (traceback: {log_file})"

@@ -28,6 +28,7 @@ from .plugins import load_plugins
 from .records import TrainResult
 
 if TYPE_CHECKING:  # the launcher plugins build command lines with this module: no torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
 
     from .context import RunContext
@@ -196,6 +197,25 @@ def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: i
         )
     finally:
         del os.environ[lifeline.LAUNCHER]
+
+
+def rank_failures(error: ChildFailedError) -> list[tuple[int, str]]:
+    """What the ranks of a failed launch said, one ``(rank, message)`` per distinct message,
+    the cause first: a rank's own error before a :class:`~ups.core.RankFailedError` that
+    repeats another rank's, then the first said first (the agent's timestamps are whole
+    seconds), each message with the lowest rank that said it, so that ranks failing alike (bad
+    input every rank reads) are named the same way whichever exited first. A message is the
+    one-line error the rank's error file holds, else how its process ended."""
+    said: dict[str, tuple[bool, float, int]] = {}
+    for rank, failure in error.failures.items():
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        message = " ".join((message or f"exit code {failure.exitcode}").split())
+        echo = message.startswith("RankFailedError: ")
+        first = said.get(message, (echo, failure.timestamp, rank))
+        said[message] = (echo, min(first[1], failure.timestamp), min(first[2], rank))
+    return [(key[2], message) for message, key in sorted(said.items(), key=lambda i: i[1])]
 
 
 def free_port() -> int:
