@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,8 @@ from ups.core.testing import tiny_project
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # A two-task run: reports every 2 steps, evaluations at 4 and 8 (best at 4), throughput and a
-# running count of OOM-skipped batches; one null task loss (NaN written as null).
+# running count of OOM-skipped batches; one null task loss (NaN written as null); a metric of
+# the step, acc, reported once.
 TWO_TASKS: list[dict[str, Any]] = [
     {"kind": "train", "step": 2, "loss": 2.0, "loss/cls": 3.0, "loss/reg": 1.0, "samples": 64,
      "lr": 0.1, "samples_per_s": 100.0, "step_time_s": 0.3, "oom_skipped": 0},
@@ -41,6 +44,7 @@ steps           8 (4 training reports, 2 evaluations)
 train loss      0.25 (step 8)
 train loss/cls  0.375 (step 8)
 train loss/reg  0.125 (step 8)
+train acc       0.5 (step 4)
 eval loss       best 0.9 (step 4), final 1.1 (step 8)
 eval loss/cls   best 1 (step 8), final 1 (step 8)
 eval loss/reg   best 0.6 (step 4), final 1.2 (step 8)
@@ -81,7 +85,7 @@ def test_reports_a_two_task_run(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert out == f"{TWO_TASKS_SUMMARY}\nplot: {run / 'report.png'}\n"
     height, width, channels = check_png(run / "report.png")
     assert (width, channels) == (800, 4)
-    assert height == 1000  # three panels: 1 + 3 * 3 inches at 100 dpi
+    assert height == 1300  # four panels: 1 + 4 * 3 inches at 100 dpi
 
 
 def test_output_option_writes_the_figure_elsewhere(
@@ -101,9 +105,9 @@ def test_output_option_writes_the_figure_elsewhere(
 
 def test_panels_follow_the_data(tmp_path: Path) -> None:
     figure = plot(TWO_TASKS, tmp_path / "all.png", "two-tasks")
-    assert titles(figure) == ["Training loss", "Evaluation loss", "Throughput"]
+    assert titles(figure) == ["Training loss", "Training acc", "Evaluation loss", "Throughput"]
     assert figure.get_suptitle() == "ups run: two-tasks"
-    train_ax, eval_ax, speed_ax = figure.axes
+    train_ax, _, eval_ax, speed_ax = figure.axes
     assert train_ax.get_legend_handles_labels()[1] == ["loss", "loss/cls", "loss/reg"]
     assert eval_ax.get_legend_handles_labels()[1] == ["loss", "loss/cls", "loss/reg"]
     assert (train_ax.get_yscale(), eval_ax.get_yscale()) == ("log", "log")
@@ -233,25 +237,83 @@ def test_cli_rejects_an_output_it_cannot_write(
     assert message.format(tmp=tmp_path) in err
 
 
-def test_cli_without_matplotlib_says_how_to_install_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    run = write_run(tmp_path / "run", TWO_TASKS)
-    # As if uninstalled: importing matplotlib or any of its modules raises ImportError.
-    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")]:
-        monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+NO_MATPLOTLIB = """
+import sys
 
-    assert main(["report", str(run)]) == 2
 
-    assert capsys.readouterr().err == (
-        "ups: error: ups report needs matplotlib: pip install 'ups-dist-core[report]'\n"
+class NoMatplotlib:
+    \"\"\"Finds matplotlib nowhere, as if it were not installed.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NoMatplotlib())
+"""
+"""A ``sitecustomize`` module: on ``PYTHONPATH``, the interpreter runs it at start-up, and
+matplotlib cannot be imported in that process."""
+
+
+def without_matplotlib(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` in a process that cannot import matplotlib."""
+    (folder / "sitecustomize.py").write_text(NO_MATPLOTLIB)
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"PYTHONPATH": str(folder)},
+        check=False,
     )
+
+
+def test_cli_without_matplotlib_prints_the_table_and_says_what_draws_the_figure(
+    tmp_path: Path,
+) -> None:
+    run = write_run(tmp_path / "run", TWO_TASKS, name="two-tasks")
+    blocked = without_matplotlib(tmp_path, "-c", "import matplotlib")
+    assert "ModuleNotFoundError: No module named 'matplotlib'" in blocked.stderr
+
+    done = without_matplotlib(tmp_path, "-m", "ups.core", "report", str(run))
+
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == (
+        f"{TWO_TASKS_SUMMARY}\nplot: not drawn: {run / 'report.png'}: drawing the figure needs "
+        "matplotlib: pip install 'ups-dist-core[report]'\n"
+    )
+    assert not (run / "report.png").exists()
+
+    # A figure asked for by name: the table, then the error.
+    output = tmp_path / "loss.png"
+    done = without_matplotlib(
+        tmp_path, "-m", "ups.core", "report", str(run), "--output", str(output)
+    )
+
+    assert (done.returncode, done.stdout) == (2, f"{TWO_TASKS_SUMMARY}\n")
+    assert done.stderr == (
+        f"ups: error: {output}: drawing the figure needs matplotlib: "
+        "pip install 'ups-dist-core[report]'\n"
+    )
+
+
+METRICS = """
+def build_metrics():
+    def fn(outputs, targets):
+        error = (outputs - targets).abs().flatten(1).mean(1)
+        return {"mae": error, "max_err": error.max()}
+
+    return fn
+"""
+"""A ``metrics.factory``: ``mae`` per sample, ``max_err`` one number (``reduce: max``)."""
 
 
 def test_reports_a_real_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     eval_data = {"factory": "tiny.py:build_dataset", "options": {"n": 16}, "every_steps": 4}
-    result = train(load_config(tiny_project(tmp_path, eval=eval_data)))
+    metrics = {"factory": "metrics.py:build_metrics", "reduce": {"max_err": "max"}}
+    (tmp_path / "metrics.py").write_text(METRICS)
+    result = train(load_config(tiny_project(tmp_path, eval=eval_data, metrics=metrics)))
     run = tmp_path / "runs" / "tiny"
     capsys.readouterr()
 
@@ -266,6 +328,10 @@ def test_reports_a_real_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     final = result.eval_metrics[-1]["loss"]
     assert table["eval loss"].startswith(f"best {best:.4g} (step ")
     assert table["eval loss"].endswith(f"final {final:.4g} (step 8)")
+    # one task: mae, per sample, has no rows per task; max_err is one number a report
+    for name in ("mae", "max_err"):
+        assert table[f"train {name}"] == f"{result.metrics[-1][name]:.4g} (step 8)"
+        assert table[f"eval {name}"] == f"final {result.eval_metrics[-1][name]:.4g} (step 8)"
     assert lines[-1] == f"plot: {run / 'report.png'}"
     check_png(run / "report.png")
 
@@ -273,28 +339,42 @@ def test_reports_a_real_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     records = read_metrics(run)
     figure = plot(records, tmp_path / "again.png", "tiny")
     throughput = any("samples_per_s" in r for r in records)
-    expected = ["Training loss", "Evaluation loss"] + ["Throughput"] * throughput
+    families = ("loss", "max_err", "mae")  # in the order metrics.jsonl holds them
+    expected = [f"{kind} {family}" for kind in ("Training", "Evaluation") for family in families]
+    expected += ["Throughput"] * throughput
     assert titles(figure) == expected
     assert ("throughput" in table) == throughput
 
 
-def test_metrics_reported_per_task_get_rows_and_panels_of_their_own(tmp_path: Path) -> None:
-    # a step's per-sample metric (nrmse) is reported overall and per task, like the loss
+def test_every_metric_of_the_step_gets_rows_and_a_panel(tmp_path: Path) -> None:
+    # a step's per-sample metric (nrmse) is reported overall and per task, like the loss; a
+    # number (max_err, reduce: max) once a report; what the engine says about the run is not
+    # a metric (samples, lr, grad_norm, comm_*, ...)
     records = [
         {"kind": "train", "step": s, "loss": 1 / s, "loss/a": 1 / s, "loss/b": 2 / s,
-         "nrmse": 0.5 / s, "nrmse/a": 0.4 / s, "nrmse/b": 0.6 / s, "max_err": 3.0, "samples": 8}
+         "nrmse": 0.5 / s, "nrmse/a": 0.4 / s, "nrmse/b": 0.6 / s, "max_err": 3.0 + s,
+         "samples": 8, "lr": 0.1, "grad_norm": 2.0, "comm_bytes": 8.0, "comm_b0_s": 0.1}
         for s in (2, 4)
-    ] + [{"kind": "eval", "step": 4, "loss": 0.3, "nrmse": 0.2, "nrmse/a": 0.1, "nrmse/b": 0.3}]  # fmt: skip
+    ] + [{"kind": "eval", "step": 4, "loss": 0.3, "samples": 20, "nrmse": 0.2, "nrmse/a": 0.1,
+          "nrmse/b": 0.3, "max_err": 0.5}]  # fmt: skip
     lines = summary(records, "tasks").splitlines()
+    assert [line.split()[1] for line in lines[2:]] == [
+        *("loss", "loss/a", "loss/b", "nrmse", "nrmse/a", "nrmse/b", "max_err"),
+        *("loss", "nrmse", "nrmse/a", "nrmse/b", "max_err"),
+    ]
     assert "train nrmse/b  0.15 (step 4)" in lines
+    assert "train max_err  7 (step 4)" in lines
     assert "eval nrmse/a   final 0.1 (step 4)" in lines
-    assert not any("max_err" in line for line in lines)  # one number: not a per-task family
+    assert "eval max_err   final 0.5 (step 4)" in lines
     figure = plot(records, tmp_path / "t.png", "tasks")
     assert titles(figure) == [
         "Training loss",
         "Training nrmse",
+        "Training max_err",
         "Evaluation loss",
         "Evaluation nrmse",
+        "Evaluation max_err",
     ]
+    assert figure.axes[2].get_legend_handles_labels()[1] == ["max_err"]
     assert figure.axes[1].get_legend_handles_labels()[1] == ["nrmse", "nrmse/a", "nrmse/b"]
     check_png(tmp_path / "t.png")

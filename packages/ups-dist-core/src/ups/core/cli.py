@@ -460,10 +460,17 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    """``ups report``: the summary table first, which needs no matplotlib, then the figure;
+    without matplotlib, a line saying what draws it (an error when ``--output`` asked for it)."""
+    from .report import NoMatplotlibError, write_report
 
-    output, table = write_report(args.run_dir, args.output)
-    print(table)
+    try:
+        output, _ = write_report(args.run_dir, args.output, show=print)
+    except NoMatplotlibError as error:
+        if args.output is not None:
+            raise
+        print(f"plot: not drawn: {error}")
+        return EXIT_OK
     print(f"plot: {output}")
     return EXIT_OK
 

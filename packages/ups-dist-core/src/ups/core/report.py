@@ -8,7 +8,8 @@ files written by older engines (without ``samples_per_s``, say) report what they
 A resumed run first drops the lines after its checkpoint (:func:`ups.core.rundir.keep_until`),
 so each step appears once; in a file an earlier ups wrote, a resumed step can appear twice:
 the later line wins.
-Plotting needs matplotlib (the ``report`` extra), imported only when a figure is drawn.
+The table needs nothing more; the figure needs matplotlib (the ``report`` extra), imported
+only when one is drawn.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,15 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["Record", "plot", "read_metrics", "run_name", "summary", "write_report"]
+__all__ = [
+    "NoMatplotlibError",
+    "Record",
+    "plot",
+    "read_metrics",
+    "run_name",
+    "summary",
+    "write_report",
+]
 
 Record = dict[str, Any]
 """One line of ``metrics.jsonl``: ``kind`` (str), ``step`` (int) and numbers (``null`` read
@@ -36,6 +45,28 @@ as NaN). Only ``train`` and ``eval`` lines are reported; other kinds are read an
 
 _NUMERIC = ("loss", "samples_per_s", "oom_skipped")
 """Keys (besides ``loss/<task>``) that must hold a number or ``null`` when present."""
+_ABOUT_THE_RUN = frozenset(
+    [
+        "samples",
+        "lr",
+        "grad_norm",
+        "oom_skipped",
+        "allreduce_bytes",
+        "samples_per_s",
+        "step_time_s",
+        "tokens_per_s",
+        "tflops",
+        "mfu",
+    ]
+)
+"""What the engine reports about the run rather than the model (docs/loop.md#metrics), with
+the comm hook's ``comm_*``: no rows or panels of their own (throughput and the OOM-skipped
+batches are summed up in rows of theirs). Every other key is the loss or a metric of the
+step, reported per task or not."""
+
+
+class NoMatplotlibError(UsageError):
+    """:func:`plot`'s error when matplotlib cannot be imported."""
 
 
 def read_metrics(run_dir: Path) -> list[Record]:
@@ -99,10 +130,11 @@ def run_name(run_dir: Path) -> str:
 
 
 def summary(records: Sequence[Record], name: str) -> str:
-    """A plain two-column table: the run's name, its last step, the final training loss
-    (overall and per task) and each metric reported per task, the best and final evaluation
-    loss (with their steps) and the final evaluation metrics, the median
-    throughput and the OOM-skipped batches. Rows whose metrics the records lack are left out.
+    """A plain two-column table: the run's name, its last step, the final training loss and
+    metrics of the step (each overall and per task, a metric reduced to one number too), the
+    best and final evaluation loss (with their steps) and the final evaluation metrics, the
+    median throughput and the OOM-skipped batches. Rows whose metrics the records lack are left
+    out. Needs no matplotlib.
     """
     train, evals = _by_step(records, "train"), _by_step(records, "eval")
     rows = [("run", name), ("steps", _steps(records, train, evals))]
@@ -151,12 +183,18 @@ def _by_step(records: Sequence[Record], kind: str) -> list[Record]:
 
 
 def _families(records: Sequence[Record]) -> list[str]:
-    """``loss`` (when present), then each other metric reported per task (``name`` beside
-    ``name/<task>``, as a step's per-sample metrics are), in the order they first appear."""
-    keys = dict.fromkeys(k for r in records for k in r)
-    bases = dict.fromkeys(k.split("/", 1)[0] for k in keys if "/" in k)
-    found = [b for b in bases if b in keys and b != "loss"]
-    return ["loss", *found] if "loss" in keys else found
+    """``loss`` (when present), then each metric of the step (``name``, and ``name/<task>``
+    beside it for a per-sample metric of a multi-task run) in the order they first appear;
+    not ``kind``, ``step`` or what :data:`_ABOUT_THE_RUN` holds."""
+    bases = dict.fromkeys(k.split("/", 1)[0] for r in records for k in r)
+    found = [
+        b
+        for b in bases
+        if b not in ("kind", "step", "loss")
+        and b not in _ABOUT_THE_RUN
+        and not b.startswith("comm_")
+    ]
+    return ["loss", *found] if "loss" in bases else found
 
 
 def _family_keys(records: Sequence[Record], base: str) -> list[str]:
@@ -193,19 +231,21 @@ def _oom_skipped(records: Sequence[Record]) -> int | None:
 def plot(records: Sequence[Record], path: Path, title: str) -> Figure:
     """Draw the report's figure into ``path`` (its format from the suffix; PNG without one),
     with matplotlib's Agg backend, and return it. One panel each, sharing the step axis:
-    ``Training loss`` (overall and per task), ``Training <metric>`` for each metric reported
-    per task, the same for evaluations (when there are any) and ``Throughput`` (when the records have ``samples_per_s``). A loss panel's
+    ``Training loss`` (overall and per task), ``Training <metric>`` for each metric
+    the step reports (each overall and per task), the same for evaluations (when there are
+    any) and ``Throughput`` (when the records have ``samples_per_s``). A loss or metric panel's
     y axis is logarithmic when every value on it is positive.
 
-    :raises UsageError: when matplotlib is missing, ``path``'s folder does not exist or its
-        suffix names a format matplotlib cannot write.
+    :raises NoMatplotlibError: when matplotlib cannot be imported.
+    :raises UsageError: when ``path``'s folder does not exist or its suffix names a format
+        matplotlib cannot write.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise UsageError(
-            "ups report needs matplotlib: pip install 'ups-dist-core[report]'"
+        raise NoMatplotlibError(
+            f"{path}: drawing the figure needs matplotlib: pip install 'ups-dist-core[report]'"
         ) from None
     if not path.parent.is_dir():
         raise UsageError(f"{path}: folder {path.parent} does not exist")
@@ -250,14 +290,21 @@ def _panel(ax: Axes, name: str, records: Sequence[Record], keys: Sequence[str], 
         ax.legend()
 
 
-def write_report(run_dir: Path, output: Path | None = None) -> tuple[Path, str]:
-    """What ``ups report RUN_DIR`` makes of a run folder: its figure, drawn into ``output``
-    (default ``RUN_DIR/report.png``), and its summary table; return both.
+def write_report(
+    run_dir: Path, output: Path | None = None, show: Callable[[str], object] | None = None
+) -> tuple[Path, str]:
+    """What ``ups report RUN_DIR`` makes of a run folder: its summary table, handed to
+    ``show`` (when given) before anything is drawn, and its figure, drawn into ``output``
+    (default ``RUN_DIR/report.png``); return both.
 
-    :raises UsageError: as :func:`read_metrics` and :func:`plot` do.
+    :raises UsageError: as :func:`read_metrics` and :func:`plot` do (after ``show``: the table
+        is shown whether or not the figure can be drawn).
     """
     records = read_metrics(run_dir)
     name = run_name(run_dir)
+    table = summary(records, name)
+    if show is not None:
+        show(table)
     output = output or run_dir / "report.png"
     plot(records, output, name)
-    return output, summary(records, name)
+    return output, table
