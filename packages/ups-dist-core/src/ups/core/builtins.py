@@ -126,6 +126,7 @@ def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
             factory=imported("ups.core.simple_checkpoint:SimpleCheckpointer"),
             options=SimpleCheckpointOptions,
             probe=probe_checkpoints,
-            description="one torch.save file per checkpoint, written atomically by rank 0",
+            description="a folder per checkpoint (state.pt, rank-<r>.pt, the COMMIT "
+            "manifest), written and committed atomically by rank 0",
         )
     ]
