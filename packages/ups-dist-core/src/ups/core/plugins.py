@@ -7,7 +7,10 @@ Two environment variables steer it (read when it is called):
 ``UPS_DISABLE_PLUGIN_AUTOLOAD=1``
     load no entry points: only the built-ins and plugins passed in explicitly.
 ``UPS_BLOCK_PLUGINS=name,name``
-    skip the named plugins (entry-point names, or ``ups-dist-core`` for the built-ins).
+    skip the named plugins (entry-point names, or ``ups-dist-core`` for the built-ins). A
+    config section ``plugins.NAME`` named after a blocked plugin (``mlflow``, ``wandb``: a
+    plugin's section takes its name) is accepted and ignored, so that blocking turns a plugin
+    off whatever the config says; a section that no installed plugin provides stays an error.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import importlib
 import importlib.metadata as metadata
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import attrs
 import pluggy
@@ -35,6 +38,9 @@ from .records import (
     SectionPlugin,
 )
 from .structure import structure
+
+if TYPE_CHECKING:
+    from .config import Config
 
 log = structlog.get_logger()
 
@@ -219,6 +225,23 @@ class Registry:
                 f"one: plugin {provided.plugin!r}{self._source(provided.plugin)} replaced it, "
                 f"with options {record.options.__name__}",
             ) from None
+
+    def check_sections(self, config: Config) -> None:
+        """Build every ``plugins.NAME`` section of ``config`` through its plugin's options
+        class (``factory=False``: the options only). A section named after a blocked plugin
+        (:data:`BLOCK_ENV`) is left unchecked, logged once at info level: blocking turns the
+        plugin off whatever the config says.
+
+        :raises ConfigError: at ``plugins.NAME`` for a section no loaded plugin provides (with
+            the sections available and the nearest name), at ``plugins.NAME.KEY`` for a key or
+            value its options class refuses.
+        """
+        blocked = {p.name for p in self.plugins if p.status == "blocked"}
+        for name in config.plugins:
+            if name in blocked and name not in self.records("section"):
+                log.info("config section of a blocked plugin ignored", section=f"plugins.{name}")
+                continue
+            config.section(self.get("section", name, f"plugins.{name}").options, name)
 
     def _source(self, plugin: str) -> str:
         """`` (distribution version)`` of the enabled plugin ``plugin``, where known."""

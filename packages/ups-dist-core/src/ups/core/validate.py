@@ -98,8 +98,7 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     )
     if launch.name is not None:
         registry.select("launcher", launch.name, launch.options, "launch", factory=False)
-    for name in config.plugins:
-        config.section(registry.get("section", name, f"plugins.{name}").options, name)
+    registry.check_sections(config)
 
     t = config.training
     check_name(t.optimizer, "training.optimizer")
