@@ -88,17 +88,21 @@ def wrap(model: nn.Module, ctx: RunContext, config: Config) -> nn.Module:
 def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     """Train the configured model on this rank; every rank of the job calls this together."""
     hook = registry.manager.hook
-    try:
-        with own_run_dir(config, ctx), rank_log_file(ctx, config.run_dir):
+    # The run's folder and this rank's log file stay open for ups_error and ups_run_end too:
+    # what a plugin logs there is in logs/rank<r>.jsonl like the rest of the run.
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(own_run_dir(config, ctx))
+            held.enter_context(rank_log_file(ctx, config.run_dir))
             run = Run(config, ctx, registry)
             try:
                 result = run.train()
             finally:
                 run.reporter.files.close()
-    except BaseException as error:
-        hook.ups_error(ctx=ctx, error=error)
-        raise
-    hook.ups_run_end(ctx=ctx, result=result)
+        except BaseException as error:
+            hook.ups_error(ctx=ctx, error=error)
+            raise
+        hook.ups_run_end(ctx=ctx, result=result)
     return result
 
 
@@ -337,7 +341,7 @@ class Run:
             if hasattr(self.sampler, "set_epoch"):
                 self.sampler.set_epoch(self.position.epoch)
             batches = self._enter_epoch()
-            left = len(self.loader)
+            left = batches.length
             while left and self._more_steps():
                 group = min(self.schedule.accumulation_steps, left)
                 left -= group
@@ -350,6 +354,8 @@ class Run:
                     counted.count(self.reporter.window, self.metrics)
                 if self._after_step():
                     return
+            if not left:
+                batches.end()  # a sampler longer than its len() is told of
 
     def _enter_epoch(self) -> Epoch:
         """Start the next epoch's pass over the loader; after a resume mid-epoch, go on where
@@ -370,7 +376,7 @@ class Run:
         if resumed is not None and resumed.position.epoch_left:
             set_rng_state(resumed.rng, self.ctx.device)
         self.position = attrs.evolve(
-            self.position, epoch=epoch + 1, epoch_left=len(self.loader), epoch_taken=passing.taken
+            self.position, epoch=epoch + 1, epoch_left=passing.length, epoch_taken=passing.taken
         )
         return passing
 

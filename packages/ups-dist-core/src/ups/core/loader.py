@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy
+import structlog
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
@@ -38,6 +39,8 @@ from .config import FactoryConfig, LoaderConfig
 from .errors import ConfigError
 from .imports import load_object
 from .lifeline import die_with_loader
+
+log = structlog.get_logger()
 
 
 def build_dataset(section: FactoryConfig, key: str) -> Any:
@@ -144,16 +147,22 @@ class StepBatches(Sampler[list[int]]):
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.epoch = self.first = self.skip = 0
         self.stateful = callable(getattr(sampler, "state_dict", None))
+        self.overran = False
+        """Whether a pass found the sampler yielding more than its ``len()`` (:meth:`Epoch.end`)."""
         self._states: collections.deque[dict[str, Any]] = collections.deque()
 
     def __len__(self) -> int:
         return max(0, math.ceil(len(self.sampler) / self.batch_size) - self.skip)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        self._states.clear()
+    def tell_batch_size(self) -> None:
+        """Give a sampler with ``set_batch_size`` the batch size (before each iteration)."""
         resize = getattr(self.sampler, "set_batch_size", None)
         if callable(resize):
             resize(self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._states.clear()
+        self.tell_batch_size()
         indices = iter(self.sampler)
         drawn = 0
         base = None if self.seed is None else seed_of(self.seed, self.epoch)
@@ -260,11 +269,19 @@ class SeededData(Dataset[Any]):
 
 class Epoch:
     """One pass over a loader whose batch sampler is :class:`StepBatches`: yields batches and
-    knows the sampler's state as of the last one yielded, and how many it yielded."""
+    knows the sampler's state as of the last one yielded, and how many it yielded.
+
+    :attr:`length`, the batches the pass counts, is the loader's ``len()`` read before the pass
+    draws its first index: a sampler whose ``__len__`` counts the indices it has left (it
+    shrinks as the iteration goes) gives its whole pass, however far workers read ahead.
+    """
 
     def __init__(self, loader: DataLoader[Any]) -> None:
         assert isinstance(loader.batch_sampler, StepBatches)
         self._batches = loader.batch_sampler
+        self._batches.tell_batch_size()  # a sampler's length may depend on it
+        self.length = len(loader)
+        """Batches of this pass, as the sampler's ``len()`` counts them."""
         self._iterator = iter(loader)
         self.taken = self._batches.first + self._batches.skip
         """Batches of the epoch taken, counting those before a resume."""
@@ -278,6 +295,32 @@ class Epoch:
         self.sampler_state = self._batches.consumed()
         self.taken += 1
         return batch
+
+    def end(self) -> bool:
+        """Once the :attr:`length` batches are taken, whether the sampler yields more than its
+        ``len()`` said, whose indices the epoch leaves unread; warn of it, once per loader.
+
+        One batch asked for, once a pass: none to read where the sampler is as long as it says.
+        """
+        if next(self._iterator, _END) is _END:
+            return False
+        batches = self._batches
+        if not batches.overran:
+            batches.overran = True
+            sampler = type(batches.sampler)
+            log.warning(
+                "the sampler yields more indices than its len() says: each epoch ends after "
+                "the batches len() counts, and the rest is not trained on; make __len__ "
+                "return what __iter__ yields (docs/hooks.md#ups_samplers)",
+                sampler=f"{sampler.__module__}.{sampler.__qualname__}",
+                epoch=batches.epoch + 1,
+                batches=self.length,
+            )
+        return True
+
+
+_END = object()
+"""What ``next`` gives for a loader that has no batch left."""
 
 
 def data_loader(
