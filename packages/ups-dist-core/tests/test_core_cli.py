@@ -74,8 +74,10 @@ def test_plugins_lists_the_builtins() -> None:
     result = ups("plugins")
     assert result.returncode == 0
     rows = [line.split() for line in result.stdout.splitlines()]
-    assert rows[0] == ["FAMILY", "NAME", "PLUGIN", "DISTRIBUTION", "STATUS"]
-    assert ["sampler", "torch", "ups-dist-core", "ups-dist-core", "0.1.0", "enabled"] in rows
+    assert rows[0] == ["FAMILY", "NAME", "PLUGIN", "DISTRIBUTION", "STATUS", "DESCRIPTION"]
+    torch_row = ["sampler", "torch", "ups-dist-core", "ups-dist-core", "0.1.0", "enabled"]
+    assert [*torch_row, "torch.utils.data.DistributedSampler"] in rows  # its description last
+    rows = [row[:6] for row in rows]
     assert ["checkpoint", "simple", "ups-dist-core", "ups-dist-core", "0.1.0", "enabled"] in rows
 
 

@@ -36,7 +36,7 @@ from .launch_record import (
     held_note,
     new_record,
 )
-from .plugins import FAMILIES, Registry, load_plugins
+from .plugins import FAMILIES, Family, Registry, load_plugins
 from .records import TERMINAL, CommandPlugin, Launcher, LaunchRequest
 
 if TYPE_CHECKING:
@@ -398,9 +398,23 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    """``ups validate``: ``CONFIG: ok``, then a line for each plugin name the config selects
+    that a plugin took from a built-in (the config is valid, but not with the built-in)."""
     config = load_config(args.config, args.override)
-    _check(config, load_plugins(), args.nproc)
+    registry = load_plugins()
+    _check(config, registry, args.nproc)
     print(f"{args.config}: ok")
+    selected: list[tuple[str, Family, str]] = [
+        ("sampler", "sampler", config.sampler.name),
+        ("comm_hook", "comm_hook", config.comm_hook.name),
+        ("checkpoint", "checkpoint", config.checkpoint.name),
+    ]
+    if config.eval is not None:
+        selected.append(("eval.sampler", "sampler", config.eval.sampler.name))
+    for key, family, name in selected:
+        replaced = registry.replaced(family, name)
+        if replaced is not None:
+            print(f"{key}.name: note: {replaced}")
     return EXIT_OK
 
 
@@ -439,23 +453,25 @@ def _check(config: Config, registry: Registry, nproc: int | None) -> None:
 
 def _plugins(args: argparse.Namespace) -> int:
     registry = load_plugins()
-    rows = [("FAMILY", "NAME", "PLUGIN", "DISTRIBUTION", "STATUS")]
+    header = ("FAMILY", "NAME", "PLUGIN", "DISTRIBUTION", "STATUS", "DESCRIPTION")
+    records = [header]
     # A name's records are the enabled plugin's, never those of a same-named one that failed.
     versions = {p.name: p.source for p in registry.plugins if p.status == "enabled"}
     for family in FAMILIES:
         for name, provided in sorted(registry.records(family).items()):
-            rows.append(
-                (family, name, provided.plugin, versions.get(provided.plugin, ""), "enabled")
-            )
-    for plugin in registry.plugins:
-        if plugin.status != "enabled":
-            status = plugin.status + (f": {plugin.error}" if plugin.error else "")
-            rows.append(("-", "-", plugin.name, plugin.source, status))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for row in rows:
-        print(
-            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[4]
-        )
+            source = versions.get(provided.plugin, "")
+            description = provided.record.description
+            records.append((family, name, provided.plugin, source, "enabled", description))
+    others = [  # a blocked or failed plugin's row: its status, which may be long, comes last
+        ("-", "-", p.name, p.source, p.status + (f": {p.error}" if p.error else ""), "")
+        for p in registry.plugins
+        if p.status != "enabled"
+    ]
+    widths = [max(len(row[i]) for row in records + others) for i in range(4)]
+    widths.append(max(len(row[4]) for row in records))
+    for row in records + others:
+        cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[5]]).rstrip())
     return EXIT_OK
 
 

@@ -294,7 +294,7 @@ class Committing(abc.ABC, Generic[L]):
     def _damage(self, checkpoint: Committed[L]) -> str | None:
         """What is wrong with a committed checkpoint's files (``None``: they match)."""
         for name, record in checkpoint.manifest.files.items():
-            location = f"{self._location_of(checkpoint.where)}/{name}"
+            location = self._location_of_file(checkpoint.where, name)
             try:
                 found = self._checksum(checkpoint.where, name)
             except FileNotFoundError:
@@ -375,3 +375,9 @@ class Committing(abc.ABC, Generic[L]):
     @abc.abstractmethod
     def _location_of(self, where: L) -> str:
         """The path or URL of ``where``, as locations and messages give it."""
+
+    def _location_of_file(self, where: L, name: str) -> str:
+        """The path or URL of the file ``name`` (as the manifest lists it) of the checkpoint
+        at ``where``, as messages give it: ``<location>/<name>``; a storage that keeps a
+        checkpoint's files another way says where."""
+        return f"{self._location_of(where)}/{name}"

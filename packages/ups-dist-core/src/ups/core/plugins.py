@@ -216,15 +216,24 @@ class Registry:
         try:
             return record, structure(record.options, dict(options), f"{key}.options")
         except ConfigError as error:
-            provided = self.records(family)[name]
-            if not provided.replaced_builtin:
+            replaced = self.replaced(family, name)
+            if replaced is None:
                 raise
             raise ConfigError(
                 error.path,
-                f"{error.problem}; note: {family.replace('_', ' ')} {name!r} is not the built-in "
-                f"one: plugin {provided.plugin!r}{self._source(provided.plugin)} replaced it, "
-                f"with options {record.options.__name__}",
+                f"{error.problem}; note: {replaced}, with options {record.options.__name__}",
             ) from None
+
+    def replaced(self, family: Family, name: str) -> str | None:
+        """``<family> 'name' is not the built-in one: plugin 'p' (distribution version)
+        replaced it`` when a plugin's record took the name of a built-in; else ``None``."""
+        provided = self.records(family).get(name)
+        if provided is None or not provided.replaced_builtin:
+            return None
+        return (
+            f"{family.replace('_', ' ')} {name!r} is not the built-in one: "
+            f"plugin {provided.plugin!r}{self._source(provided.plugin)} replaced it"
+        )
 
     def check_sections(self, config: Config) -> None:
         """Build every ``plugins.NAME`` section of ``config`` through its plugin's options
