@@ -1,8 +1,9 @@
 """``ups launch``, ``status``, ``logs`` and ``cancel`` with the ``vastai`` and ``vultr``
 launchers, each command a process of its own (as from later shells), against the loopback
 servers: a two-machine job from the dry run to its end, a stopped Vultr job (ended, still
-billing), and a refused key. A key planted in the environment appears in nothing any of them
-prints or writes, nor in what they send but the authorization header."""
+billing), a refused key, a key in a file the options name, bad options, and packages missing
+here (:mod:`without`). A key planted in the environment or that file appears in nothing any of
+them prints or writes, nor in what they send but the authorization header."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Protocol, get_args
 import pytest
 import vultr_server
 from vast_server import VastServer
+from without import without
 
 from ups.cloud import local, slurm, vastai, vultr
 from ups.core import TERMINAL
@@ -218,3 +220,133 @@ def test_every_state_of_a_launcher_ends_a_follow_or_is_a_live_one() -> None:
     a launcher adds must be one or the other deliberately."""
     for module in (local, slurm, vastai, vultr):
         assert set(get_args(module.State)) - set(TERMINAL) <= {"PENDING", "RUNNING"}, module
+
+
+def test_the_key_can_come_from_a_file_named_in_the_options_and_shows_nowhere(
+    project: Path,
+    cloud: Cloud,
+    seen: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``launch.options.api_key_file`` from ``-o`` (a string, as from a config), for the dry
+    run, the launch and the commands that follow it from its record."""
+    monkeypatch.delenv(cloud.env)
+    key_file = tmp_path_factory.mktemp("secrets") / "cloud.key"
+    key_file.write_text(cloud.key + "\n")
+    named = f"launch.options.api_key_file={key_file}"
+    status, out, err = ups(project, seen, "launch", "run.yaml", "-o", named, "--dry-run")
+    assert status == 0, err
+    # The key was read: vastai searched the offers with it; vultr shows where it comes from.
+    assert "# node 0: offer #" in out if cloud.name == "vastai" else f"(from {key_file})" in out
+    status, out, err = ups(project, seen, "launch", "run.yaml", "-o", named)
+    assert (status, cloud.live()) == (0, 1), err
+    assert ups(project, seen, "status", "tiny")[:2] == (0, "RUNNING\n")
+    assert ups(project, seen, "cancel", "tiny")[:2] == (0, "CANCELLED\n")
+    assert cloud.live() == 0
+    texts = seen + written(project) + cloud.sent()
+    assert [t for t in texts if cloud.key in t] == []
+
+
+@pytest.mark.parametrize(
+    ("cloud", "options", "message"),
+    [
+        (
+            "vastai",
+            ["min_reliability=2"],
+            ".min_reliability: 2.0 is not allowed: must be in [0, 1]",
+        ),
+        ("vastai", ["disk_gb=0"], ".disk_gb: 0.0 is not allowed: must be > 0"),
+        ("vastai", ["num_gpus=0"], ".num_gpus: 0 is not allowed: must be >= 1"),
+        ("vastai", ["retries=0"], ".retries: 0 is not allowed: must be >= 1"),
+        (
+            "vultr",
+            ["api_key_file=''"],
+            ".api_key_file: '' is not allowed: must be the path of a file",
+        ),
+        ("vultr", ["os_id=1743", "image_id=x"], ": give os_id or image_id, not both"),
+    ],
+    indirect=["cloud"],
+)
+def test_a_bad_option_is_one_line_naming_its_key_path(
+    project: Path, cloud: Cloud, seen: list[str], options: list[str], message: str
+) -> None:
+    overrides = [arg for option in options for arg in ("-o", f"launch.options.{option}")]
+    status, out, err = ups(project, seen, "launch", "run.yaml", *overrides, "--dry-run")
+    assert (status, out, err) == (2, "", f"ups: error: launch.options{message}\n")
+    assert cloud.sent() == []
+
+
+@pytest.mark.parametrize("cloud", ["vastai"], indirect=True)
+def test_without_the_vastai_client_launching_says_what_to_install(
+    project: Path,
+    cloud: Cloud,
+    seen: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    without(monkeypatch, tmp_path_factory.mktemp("site"), "vastai")
+    for dry_run in (["--dry-run"], []):
+        status, out, err = ups(project, seen, "launch", "run.yaml", *dry_run)
+        assert (status, out) == (2, ""), err
+        assert err == (
+            "ups: error: the vastai launcher needs the 'vastai' package, which is not installed "
+            "here: pip install 'vastai>=1.9.1'\n"
+        )
+    assert cloud.sent() == [] and not (project / "runs" / "tiny" / "launch.json").exists()
+
+
+def read_here(url: str, package: str) -> str:
+    """What ``ups`` says when ``package`` is missing to read the vultr ``upload_url``."""
+    return (
+        f"ups: error: launch.options.upload_url: {url!r}: reading it here (ups status, ups "
+        f"logs) needs the {package!r} package, which is not installed here: pip install "
+        f"{package}\n"
+    )
+
+
+@pytest.mark.parametrize("cloud", ["vultr"], indirect=True)
+@pytest.mark.parametrize(
+    ("package", "url"), [("s3fs", "s3://bucket/runs/tiny"), ("fsspec", "s3://bucket/runs/tiny")]
+)
+def test_an_upload_url_vultr_cannot_read_here_is_refused_before_anything_is_created(
+    project: Path,
+    cloud: Cloud,
+    seen: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+    package: str,
+    url: str,
+) -> None:
+    """``status`` and ``logs`` read ``upload_url`` here: without the package for it, ``ups
+    launch`` (and its dry run) says so, not ``status``, ``logs`` or ``cancel`` once the
+    machines run."""
+    without(monkeypatch, tmp_path_factory.mktemp("site"), package)
+    for dry_run in (["--dry-run"], []):
+        status, out, err = ups(
+            project, seen, "launch", "run.yaml", "-o", f"launch.options.upload_url={url}", *dry_run
+        )
+        assert (status, out, err) == (2, "", read_here(url, package))
+    assert cloud.sent() == [] and not (project / "runs" / "tiny" / "launch.json").exists()
+
+
+@pytest.mark.parametrize("cloud", ["vultr"], indirect=True)
+def test_a_vultr_job_followed_where_its_upload_cannot_be_read_says_what_to_install(
+    project: Path,
+    cloud: Cloud,
+    seen: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Launched where fsspec is installed, then followed from a shell where it is not."""
+    status, _, err = ups(project, seen, "launch", "run.yaml")
+    assert status == 0, err
+    without(monkeypatch, tmp_path_factory.mktemp("site"), "fsspec")
+    url = (project / "uploaded").as_uri()
+    cloud.end_job(project)  # stopped and uploaded: status would read the upload
+    for command in ("status", "logs"):
+        assert ups(project, seen, command, "tiny") == (2, "", read_here(url, "fsspec"))
+    assert cloud.live() == 1
+    status, out, err = ups(project, seen, "cancel", "tiny")
+    assert (status, out, err.splitlines(keepends=True)[-1]) == (2, "", read_here(url, "fsspec"))
+    assert cloud.live() == 0  # the machines are deleted all the same

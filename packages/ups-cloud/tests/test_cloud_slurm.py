@@ -8,6 +8,7 @@ CI), where they fail.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -16,10 +17,13 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster  # tests/slurm_cluster.py, beside this file
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from launched import Tidy, cancelling, events, tiny, wait_for
 
-from ups.cloud.slurm import SlurmLauncher, SlurmOptions
+from ups.cloud.slurm import TIME_FORMATS, SlurmLauncher, SlurmOptions
 from ups.core import LaunchRequest, UsageError
+from ups.core.testing import run_ups
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +154,7 @@ def test_defaults_ask_for_little_and_no_requeue(project: Path) -> None:
     ("options", "message"),
     [
         ({"partition": "a b"}, "one word"),
-        ({"time": "1:00\n#SBATCH --x"}, "one word"),
+        ({"time": "1:00\n#SBATCH --x"}, "must be a SLURM time"),
         ({"extra": ["--qos=a\n--b"]}, "one non-empty line"),
         ({"gpus_per_node": -1}, "must be >= 0"),
     ],
@@ -158,6 +162,47 @@ def test_defaults_ask_for_little_and_no_requeue(project: Path) -> None:
 def test_bad_options_are_refused(options: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SlurmOptions(**options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("time", ["4hours", "4 hours", "04:00:00 ", "1:2:3:4", "-5", "4h"])
+def test_a_time_sbatch_does_not_read_is_one_line_naming_its_forms(project: Path, time: str) -> None:
+    """The value once, and the forms sbatch takes (it would refuse the job, or worse, read
+    another time than meant)."""
+    result = run_ups(
+        "launch", "run.yaml", "--launcher", "slurm", "--dry-run",
+        "-o", f"launch.options.time='{time}'", cwd=project,
+    )  # fmt: skip
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert result.stderr == (
+        f"ups: error: launch.options.time: {time!r} is not allowed: must be a SLURM time: "
+        f"{TIME_FORMATS}\n"
+    )
+
+
+_NUMBER = st.integers(0, 10_000).map(str)
+
+
+@given(
+    time=st.one_of(
+        st.tuples(_NUMBER, st.lists(_NUMBER, max_size=2)).map(lambda t: ":".join([t[0], *t[1]])),
+        st.tuples(_NUMBER, _NUMBER, st.lists(_NUMBER, max_size=2)).map(
+            lambda t: f"{t[0]}-" + ":".join([t[1], *t[2]])
+        ),
+        st.sampled_from(["UNLIMITED", "unlimited", "INFINITE"]),
+    )
+)
+def test_every_form_of_sbatch_time_is_written_as_given(time: str) -> None:
+    script = SlurmLauncher(options=SlurmOptions(time=time)).script(
+        LaunchRequest(config=Path("x")), "x"
+    )
+    assert f"\n#SBATCH --time={time}\n" in script
+
+
+@given(time=st.text(min_size=1))
+def test_a_time_with_any_other_character_is_refused(time: str) -> None:
+    assume(re.search(r"[^0-9:-]", time) and time.lower() not in ("unlimited", "infinite"))
+    with pytest.raises(ValueError, match="must be a SLURM time"):
+        SlurmOptions(time=time)
 
 
 def test_bad_requests_and_handles_are_usage_errors(project: Path) -> None:

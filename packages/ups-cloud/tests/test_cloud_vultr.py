@@ -279,5 +279,5 @@ def test_bad_handles_and_options(server: VultrServer) -> None:
     for handle in ("local:x", "vultr:", "vultr:a,,b", "vultr:../x"):
         with pytest.raises(UsageError, match="not a vultr handle"):
             vultr.status(handle)
-    with pytest.raises(UsageError, match="os_id or image_id"):
+    with pytest.raises(ValueError, match="give os_id or image_id, not both"):
         launcher(server, os_id=1743, image_id="x")

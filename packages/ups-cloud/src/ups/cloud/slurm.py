@@ -79,23 +79,41 @@ _CANCELLED = {"CANCELLED", "REVOKED"}
 # Anything else that has ended (FAILED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, ...) is
 # FAILED.
 
+# The validators say what is allowed, not the value: the message names the key and the value
+# (``launch.options.time: '4 hours' is not allowed: must be ...``, see ups.core.structure).
 _WORD = re.compile(r"^[^\s'\"\\]+$")
+_TIME = re.compile(
+    r"\d+(:\d+){0,2}"  # MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS
+    r"|\d+-\d+(:\d+){0,2}"  # DAYS-HOURS, DAYS-HOURS:MINUTES, DAYS-HOURS:MINUTES:SECONDS
+    r"|(?i:infinite|unlimited)"
+)
+TIME_FORMATS = (
+    "MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES or "
+    "DAYS-HOURS:MINUTES:SECONDS (e.g. '4:00:00' for 4 hours, '2-00:00:00' for 2 days; "
+    "quoted in YAML), or UNLIMITED"
+)
+"""The forms of ``--time`` sbatch accepts, as the message for another one lists them."""
 
 
 def _word(instance: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
     if value is not None and not _WORD.match(value):
-        raise ValueError(f"{value!r} is not allowed: one word, without spaces or quotes")
+        raise ValueError("must be one word, without spaces or quotes")
+
+
+def _time(instance: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is not None and not _TIME.fullmatch(value):
+        raise ValueError(f"must be a SLURM time: {TIME_FORMATS}")
 
 
 def _line(instance: object, attribute: attrs.Attribute[tuple[str, ...]], value: object) -> None:
     for item in value if isinstance(value, tuple) else ():
         if "\n" in item or "\r" in item or not item.strip():
-            raise ValueError(f"{item!r} is not allowed: one non-empty line per directive")
+            raise ValueError(f"each item must be one non-empty line (one directive), not {item!r}")
 
 
 def _port(instance: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
     if value is not None and not 1 <= value <= 65535:
-        raise ValueError(f"{value} is not allowed: a port is 1..65535")
+        raise ValueError("must be a port, 1..65535")
 
 
 @attrs.frozen(kw_only=True)
@@ -106,8 +124,9 @@ class SlurmOptions:
     """``--partition``; default: the cluster's default partition."""
     account: str | None = attrs.field(default=None, validator=_word)
     """``--account`` charged for the job."""
-    time: str | None = attrs.field(default=None, validator=_word)
-    """``--time`` limit, e.g. ``"01:00:00"`` or ``"2-00:00:00"``; default: the partition's."""
+    time: str | None = attrs.field(default=None, validator=_time)
+    """``--time`` limit, in one of sbatch's forms (:data:`TIME_FORMATS`), e.g. ``"4:00:00"``
+    or ``"2-00:00:00"``; default: the partition's."""
     gpus_per_node: int = attrs.field(default=0, validator=at_least(0))
     """``--gpus-per-node``; 0 (the default): a CPU job (gloo), no GPUs asked for."""
     cpus_per_task: int | None = attrs.field(

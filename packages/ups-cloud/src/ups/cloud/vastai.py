@@ -48,9 +48,9 @@ from typing import Any, Literal, TypeVar
 import attrs
 import structlog
 
-from ups.core import LaunchRequest, UsageError, load_config
+from ups.core import LaunchRequest, UsageError, above, at_least, load_config
 
-from ._secrets import ApiKey
+from .options import CloudOptions, require, within
 from .startup import (
     EXIT_FILE,
     StartupScript,
@@ -69,6 +69,8 @@ EXIT_LABEL = "ups-exit-"
 """The label the start-up script gives its instance at the end, followed by the exit status."""
 VASTAI_PIN = "vastai==1.9.1"
 """What the start-up script installs on the machine to stop its instance."""
+VASTAI_INSTALL = "'vastai>=1.9.1'"
+"""What to pip-install here for the launcher's client (shell-quoted)."""
 MAX_RETRY_AFTER_S = 60.0
 """The longest ``Retry-After`` the ``vastai`` client waits out; it does not retry a longer one."""
 MULTI_MACHINE_WARNING = (
@@ -87,45 +89,32 @@ class VastAIError(RuntimeError):
     """VastAI refused or failed a request; the message is one line and names what was left."""
 
 
-def _positive(_i: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise UsageError(f"vastai: {attribute.name} must be > 0, not {value!r}")
-
-
-def _fraction(_i: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not 0 <= value <= 1:
-        raise UsageError(f"vastai: {attribute.name} must be in [0, 1], not {value!r}")
-
-
 @attrs.frozen(kw_only=True)
-class VastAILauncherOptions:
-    """Options of the ``vastai`` launcher."""
+class VastAILauncherOptions(CloudOptions):
+    """Options of the ``vastai`` launcher (and those of :class:`~ups.cloud.options.CloudOptions`:
+    ``api_key_file``, ``upload_url``)."""
 
     gpu_name: str | None = None
     """The GPU model as VastAI names it (``"RTX 4090"``, ``"H100 SXM"``; ``_`` for spaces is
     accepted); ``None``: any."""
-    num_gpus: int | None = attrs.field(default=None, validator=_positive)
+    num_gpus: int | None = attrs.field(default=None, validator=at_least(1))
     """GPUs per machine; ``None``: the request's ``nproc_per_node``."""
-    min_gpu_ram_gb: float | None = attrs.field(default=None, validator=_positive)
-    min_reliability: float = attrs.field(default=0.95, validator=_fraction)
-    max_dph: float | None = attrs.field(default=None, validator=_positive)
+    min_gpu_ram_gb: float | None = attrs.field(default=None, validator=above(0))
+    min_reliability: float = attrs.field(default=0.95, validator=within(0, 1))
+    max_dph: float | None = attrs.field(default=None, validator=above(0))
     """The highest price per hour of one machine, in dollars."""
     image: str = "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"
-    disk_gb: float = attrs.field(default=40.0, validator=_positive)
+    disk_gb: float = attrs.field(default=40.0, validator=above(0))
     api_key_env: str = "VAST_API_KEY"
     """The environment variable holding the API key (read when ``api_key_file`` is unset)."""
-    api_key_file: str | None = None
-    """A file holding the API key (takes precedence over ``api_key_env``)."""
     url: str = DEFAULT_URL
     """The VastAI server."""
-    ready_timeout_s: float = attrs.field(default=900.0, validator=_positive)
+    ready_timeout_s: float = attrs.field(default=900.0, validator=above(0))
     """How long an instance may take to be ``running`` before all are destroyed."""
-    poll_s: float = attrs.field(default=10.0, validator=_positive)
-    retries: int = attrs.field(default=6, validator=_positive)
+    poll_s: float = attrs.field(default=10.0, validator=above(0))
+    retries: int = attrs.field(default=6, validator=at_least(1))
     """Attempts per request answered 429 or 502/503/504 (the client waits between them: see
     the module doc)."""
-    upload_url: str | None = None
-    """An fsspec URL the run folder is uploaded to at the end (see :mod:`ups.cloud.startup`)."""
     auto_shutdown: bool = True
     """Stop the instance when the script ends, so that only its disk bills."""
     shutdown_action: Literal["stop", "destroy"] = "stop"
@@ -195,8 +184,11 @@ class VastAILauncher:
     """Runs configs on VastAI instances (see the module doc)."""
 
     def __init__(self, *, options: VastAILauncherOptions) -> None:
+        """:raises UsageError: the ``vastai`` client is not installed (every method needs it,
+        the dry run's create requests included)."""
+        require("vastai.api", VASTAI_INSTALL, "the vastai launcher")
         self.options = options
-        self._key = ApiKey("vastai", options.api_key_env, options.api_key_file)
+        self._key = options.api_key("vastai")
 
     # -- the API key and the client -----------------------------------------------------------
 

@@ -49,7 +49,6 @@ import difflib
 import json
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import attrs
@@ -60,7 +59,7 @@ from urllib3.util.retry import Retry
 
 from ups.core import LaunchRequest, UsageError, above, load_config
 
-from ._secrets import ApiKey
+from .options import CloudOptions, check_readable_here
 from .startup import (
     EXIT_FILE,
     LOG_FILE,
@@ -91,13 +90,14 @@ class VultrError(RuntimeError):
     """A request to the Vultr API failed; the message is one line."""
 
 
-def _optional_path(value: str | Path | None) -> Path | None:
-    return None if value is None else Path(value).expanduser()
+READS_UPLOAD = "reading it here (ups status, ups logs)"
+"""Why this process needs to read ``upload_url``, for the message when it cannot."""
 
 
 @attrs.frozen(kw_only=True)
-class VultrLauncherOptions:
-    """Options of the ``vultr`` launcher."""
+class VultrLauncherOptions(CloudOptions):
+    """Options of the ``vultr`` launcher (and those of :class:`~ups.cloud.options.CloudOptions`:
+    ``api_key_file``, ``upload_url``)."""
 
     plan: str
     """The plan of every machine, e.g. ``vcg-a100-1c-6g-4vram`` (``GET /plans?type=vcg``)."""
@@ -115,8 +115,6 @@ class VultrLauncherOptions:
     :attr:`ups.cloud.startup.StartupScript.network_interface`)."""
     api_key_env: str = "VULTR_API_KEY"
     """The environment variable that holds the API key."""
-    api_key_file: Path | None = attrs.field(default=None, converter=_optional_path)
-    """A file holding the API key (used instead of ``api_key_env`` when given)."""
     base_url: str = DEFAULT_BASE_URL
     """The API's root URL."""
     ready_timeout_s: float = attrs.field(default=900.0, validator=above(0))
@@ -128,10 +126,6 @@ class VultrLauncherOptions:
     """How often a request that fails with 429 or (not a create) 5xx is tried again."""
     backoff_s: float = 1.0
     """urllib3's backoff factor for 5xx retries: 0, 2x, 4x, ... seconds (429 waits ``Retry-After``)."""
-    upload_url: str | None = None
-    """An fsspec URL the first machine's run folder is uploaded to at the end (machine R > 0:
-    ``<upload_url>/nodes/R``); ``status`` and ``logs`` read it. Its credentials must be
-    available to this process and on the machines (the image), never in the URL."""
     auto_shutdown: bool = True
     """Shut each machine down when its script ends. A stopped instance still bills: ``status``
     deletes the machines once they have uploaded to ``upload_url`` (else ``cancel`` does)."""
@@ -149,6 +143,10 @@ class VultrLauncherOptions:
     the config (see :func:`ups.cloud.startup.machine_files`)."""
     label_prefix: str = "ups"
     """Instances are labelled ``<label_prefix>-<run name>-<machine rank>``."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.os_id is not None and self.image_id is not None:
+            raise ValueError("give os_id or image_id, not both")
 
 
 @attrs.frozen
@@ -175,12 +173,10 @@ class VultrLauncher:
     """Runs configs on Vultr instances (see the module doc)."""
 
     def __init__(self, *, options: VultrLauncherOptions) -> None:
-        if options.os_id is not None and options.image_id is not None:
-            raise UsageError("vultr: give os_id or image_id, not both")
         self.options = options
         self.base_url = options.base_url.rstrip("/")
         self._session: requests.Session | None = None
-        self._key = ApiKey("vultr", options.api_key_env, options.api_key_file)
+        self._key = options.api_key("vultr")
 
     # -- the Launcher protocol ----------------------------------------------------------------
 
@@ -188,6 +184,7 @@ class VultrLauncher:
         """Every request :meth:`submit` would send (user data decoded, the key redacted) and
         the hourly cost, from ``GET /plans`` (read-only: nothing is created)."""
         name = self._run_name(request)
+        check_readable_here(self.options.upload_url, READS_UPLOAD)
         plan = self._check_plan_region()
         o = self.options
         calls = [_Call("GET", "/plans"), _Call("GET", "/regions")]
@@ -228,7 +225,10 @@ class VultrLauncher:
             instance created has then been deleted (or the message names those left).
         """
         name = self._run_name(request)
-        self._key.read()  # a missing key fails before anything is created
+        # A missing key, or a missing package to read upload_url with, fails before anything
+        # is created.
+        check_readable_here(self.options.upload_url, READS_UPLOAD)
+        self._key.read()
         self._check_plan_region()
         created: list[str] = []
         try:
@@ -593,13 +593,9 @@ class VultrLauncher:
         url = self.options.upload_url
         if url is None:
             return None
-        try:
-            import fsspec  # type: ignore[import-untyped, unused-ignore]
-        except ImportError:
-            raise UsageError(
-                f"vultr: reading upload_url {url} needs fsspec: pip install 'ups-cloud[upload]' "
-                "(and the URL protocol's package, e.g. s3fs)"
-            ) from None
+        check_readable_here(url, READS_UPLOAD)
+        import fsspec  # type: ignore[import-untyped, unused-ignore]
+
         try:
             with fsspec.open(f"{url.rstrip('/')}/{name}", "r") as file:
                 return str(file.read())
