@@ -1,9 +1,14 @@
 """Every fenced code block of ``docs/*.md`` runs in a test, is checked, or says why not.
 
+Every block is checked in a fresh temporary folder, as a reader who copies it would run it:
+not the repository's root, and holding nothing but the files its page gives. A page gives a
+file with a block marked ``<!-- save: NAME -->`` on the line before its fence (the reader
+saves the block as ``NAME``; it is checked by its language too): every block of the page
+finds the page's saved files in its folder.
+
 What each block gets, by its language:
 
-- ``python``: run, in a fresh namespace, in a folder holding the tiny project of
-  ``ups.core.testing.tiny_project`` (``run.yaml``, ``tiny.py``). A signature (a one-line
+- ``python``: run, in a fresh namespace, in that folder. A signature (a one-line
   ``def name(...) -> T``, or a ``class P(Protocol):`` of such lines) is instead compared with
   the real one: a hook of ``ups.core.hookspecs``, a name ``ups.core`` exports, a protocol of
   ``ups.core.records``.
@@ -11,6 +16,10 @@ What each block gets, by its language:
   ``model``/``data`` when the block has none), so every key and value is checked; a ``sweep``
   section through ``ups_optuna.parse_sweep``; the options of a plugin section, and each
   section of ``plugins``, through the installed plugin (``Registry.select``, ``Config.section``).
+  A whole config (``model`` and ``data``) whose ``file.py:`` factories the page gives, or whose
+  factories are all modules, is checked as ``ups validate`` checks it (its factories imported)
+  and must draw no warning but one about this machine's cores; so is one whose files are
+  those of the bundled examples (``examples/``), there.
 - ``toml``, ``json``: parsed.
 - ``bash``, ``console``: each command (every line of a bash block, each ``$ `` line of a
   console block; split at ``&&``, ``||``, ``;``, ``|``; ``NAME=value`` prefixes skipped) is
@@ -46,13 +55,18 @@ from test_docs_hooks import protocol_lines, render
 import ups.core
 from ups.core import UsageError, config_from_mapping, hookspecs, load_plugins, read_yaml, records
 from ups.core.cli import _COMMANDS, _parser
-from ups.core.testing import tiny_project
+from ups.core.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 BLOCK = re.compile(
-    r"(?:^<!-- (not-run|file): (.+?) -->\n)?^( *)```(\w*)\n(.*?)^\3```$", re.MULTILINE | re.DOTALL
+    r"(?:^<!-- (not-run|file|save): (.+?) -->\n)?^( *)```(\w*)\n(.*?)^\3```$",
+    re.MULTILINE | re.DOTALL,
 )
+EXAMPLES = ROOT / "examples"
+"""The bundled examples: a config of the docs naming their files is validated there."""
+CORES = re.compile(r"distributed\.nproc: \d+ processes on \d+ CPU cores")
+"""The warning about this machine's cores, not about the config."""
 SIGNATURE = re.compile(r"def (\w+)\(.*\) -> .+")
 MINIMAL = {"model": {"factory": "torch.nn:Identity"}, "data": {"factory": "tiny.py:build_dataset"}}
 SECTIONS = {"sampler": "sampler", "comm_hook": "comm_hook", "checkpoint": "checkpoint"}
@@ -95,9 +109,21 @@ def blocks() -> list[Block]:
 BLOCKS = blocks()
 
 
+def fresh_folder(block: Block, tmp_path: Path) -> Path:
+    """A new folder holding only the files ``block``'s page gives (its ``save:`` blocks)."""
+    folder = tmp_path / "reader"
+    folder.mkdir()
+    for saved in BLOCKS:
+        if saved.page == block.page and saved.marker == "save":
+            name = saved.argument or ""
+            assert "/" not in name and name not in (".", ".."), f"{saved}: save: {name!r}"
+            (folder / name).write_text(saved.text, encoding="utf-8")
+    return folder
+
+
 def test_the_docs_have_blocks_of_every_kind() -> None:
     kinds = {b.language for b in BLOCKS} | {b.marker for b in BLOCKS}
-    assert {"python", "yaml", "bash", "toml", "json", "not-run", "file"} <= kinds
+    assert {"python", "yaml", "bash", "toml", "json", "not-run", "file", "save"} <= kinds
 
 
 def run_python(block: Block, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +142,6 @@ def run_python(block: Block, folder: Path, monkeypatch: pytest.MonkeyPatch) -> N
         expected = protocol_lines(getattr(records, protocol.group(1)))
         assert lines == expected, f"{block}: the protocol is\n" + "\n".join(expected)
         return
-    tiny_project(folder)
     monkeypatch.chdir(folder)
     code = compile(block.text, str(block), "exec", flags=ast.PyCF_ONLY_AST)
     assert code.body, f"{block}: a python block without a statement checks nothing"
@@ -132,9 +157,10 @@ def check_yaml(block: Block, folder: Path) -> None:
         from ups_optuna import parse_sweep  # the sweep section is ups-optuna's
 
         parse_sweep(sweep)
-    tiny_project(folder)
     config = config_from_mapping({**MINIMAL, **data}, base_dir=folder)
     registry = load_plugins()
+    if {"model", "data"} <= data.keys():
+        check_whole_config(block, data, folder)
     for section in data.keys() & {*SECTIONS, "launch"}:
         choice = getattr(config, section)
         if choice.name is None:  # launch: {name: null}
@@ -149,6 +175,30 @@ def check_yaml(block: Block, folder: Path) -> None:
             f"{block}: plugins.{name} is not installed (nox -s test-plugins)"
         )
         config.section(registry.get("section", name, f"plugins.{name}").options, name)
+
+
+def factories(section: object) -> list[str]:
+    """The code a config names (``factory`` and ``collate`` values), at any depth."""
+    if isinstance(section, list):
+        return [name for item in section for name in factories(item)]
+    if not isinstance(section, dict):
+        return []
+    named = [v for k, v in section.items() if k in ("factory", "collate") and isinstance(v, str)]
+    return named + [name for value in section.values() for name in factories(value)]
+
+
+def check_whole_config(block: Block, data: dict[str, object], folder: Path) -> None:
+    """Validate a whole config as ``ups validate`` does, where its ``file.py:`` factories are:
+    in ``folder`` (the page gives them), else in the bundled examples; no check when neither
+    holds them all (a fragment about code the page shows in part)."""
+    files = {name.split(":")[0] for name in factories(data) if name.split(":")[0].endswith(".py")}
+    place = next((p for p in (folder, EXAMPLES) if all((p / f).is_file() for f in files)), None)
+    if place is None:
+        return
+    config = config_from_mapping(data, base_dir=place)
+    config = attrs.evolve(config, run=attrs.evolve(config.run, output_dir=str(folder / "runs")))
+    warnings = [w for w in validate(config, load_plugins()) if not CORES.match(w)]
+    assert not warnings, f"{block}: ups validate warns: " + "; ".join(warnings)
 
 
 def check_command(block: Block, words: list[str]) -> bool:
@@ -230,10 +280,11 @@ def test_block(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
             f"{block} differs from {block.argument}"
         )
         return
+    folder = fresh_folder(block, tmp_path)
     if block.language == "python":
-        run_python(block, tmp_path, monkeypatch)
+        run_python(block, folder, monkeypatch)
     elif block.language == "yaml":
-        check_yaml(block, tmp_path)
+        check_yaml(block, folder)
     elif block.language == "toml":
         assert tomllib.loads(block.text), f"{block}: an empty TOML block checks nothing"
     elif block.language == "json":
