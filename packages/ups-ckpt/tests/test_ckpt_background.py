@@ -198,7 +198,7 @@ def test_a_background_failure_is_raised_on_every_rank_by_the_next_call(tmp_path:
         assert raised["nothing started"] is None and not found["step_3_started"]
         assert raised["load"] is not None and "saving checkpoint step 4 failed" in raised["load"]
         assert raised["disk"] is not None and raised["disk"].startswith(
-            "saving checkpoint step 5 failed on rank 1: rank 1: OSError: disk full (simulated)"
+            "saving checkpoint step 5 failed on rank 1: OSError: disk full (simulated)"
         )
         assert found["loaded"].step == 6 and found["loaded"].rank_state == {"rank": rank}
         assert torch.equal(found["loaded"].state["w"], torch.full((2,), 6.0))

@@ -121,7 +121,7 @@ def test_two_ranks_save_and_load_each_their_own_state_in_the_foreground_or_backg
         assert result["empty"] is None
         assert result["location"] == f"{s3.url}/step-10"
         assert result["refused"].startswith(
-            f"saving checkpoint step 15 under {s3.url} failed on rank 1: rank 1: "
+            f"saving checkpoint step 15 under {s3.url} failed on rank 1: "
             "UnsafeCheckpointError: the state holds objects that loading with weights_only=True "
             "refuses"
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ups.core import CheckpointError, RankFailedError, RunContext, all_mean, decide
+from ups.core import CheckpointError, ConfigError, RunContext, UsageError, all_mean, decide
 from ups.core.simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
 from ups.core.testing import run_ranks
 
@@ -21,19 +21,29 @@ def test_decide_returns_rank_0s_decision_everywhere() -> None:
     assert run_ranks(decide_by_rank, 2) == [{"lr_multiplier": 10}, {"lr_multiplier": 10}]
 
 
-def fail_on_rank_0(ctx: RunContext) -> str:
+def fail_on_rank_0(ctx: RunContext, error: Exception) -> tuple[str, bool, str]:
     def decision() -> str:
-        raise OSError("disk full")
+        raise error
 
     try:
         decide(ctx, decision)
-    except RankFailedError as error:
-        return str(error)
-    return "no error"
+    except Exception as raised:
+        return type(raised).__name__, isinstance(raised, UsageError), str(raised)
+    return "no error", False, ""
 
 
-def test_a_failed_decision_raises_on_every_rank_naming_rank_0() -> None:
-    assert run_ranks(fail_on_rank_0, 2) == ["rank 0 failed: OSError: disk full"] * 2
+@pytest.mark.parametrize(
+    ("error", "usage"), [(OSError("disk full"), False), (ConfigError("lr", "not a number"), True)]
+)
+def test_a_failed_decision_raises_its_error_on_rank_0_and_names_it_on_the_others(
+    error: Exception, usage: bool
+) -> None:
+    said = f"{type(error).__name__}: {error}"
+    assert run_ranks(fail_on_rank_0, 2, error) == [
+        (type(error).__name__, usage, str(error)),
+        # bad input is a usage error on every rank: the command line exits 2 on each
+        ("RankUsageError" if usage else "RankFailedError", usage, f"rank 0 failed: {said}"),
+    ]
 
 
 def mean_of_ranks(ctx: RunContext) -> list[float]:

@@ -45,12 +45,12 @@ def test_a_save_on_a_full_disk_says_so_and_keeps_the_checkpoint_before(
     )
     assert result.returncode == 1, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("ups: ")]
-    assert len(lines) == 2, result.stderr[-3000:]
+    assert len(lines) == 1, result.stderr[-3000:]  # both ranks say it alike: once
     folder = tmp_path / "mnt" / "tiny" / "checkpoints"
     for line in lines:
         assert re.fullmatch(
-            r"ups: rank [01] failed: DiskFullError: saving checkpoint step 8 failed on rank 0: "
-            rf"rank 0: DiskFullError: the disk is full: No space left on device in {folder}, "
+            r"ups: rank 0 failed: DiskFullError: saving checkpoint step 8 failed on rank 0: "
+            rf"DiskFullError: the disk is full: No space left on device in {folder}, "
             r"where this rank's part of the checkpoint needs about 6\d\d\.\d kB "
             r"\(traceback: .*\)",
             line,

@@ -136,13 +136,13 @@ def test_the_cli_names_the_failed_rank_and_its_error(
     error = "RuntimeError: injected error (injected by UPS_FAULTS on rank 1 at step 2)"
     failed = [line for line in run.stderr.splitlines() if line.startswith("ups: rank ")]
     log_file = tmp_path / "runs" / "tiny" / "logs" / "rank1.jsonl"
-    assert f"ups: rank 1 failed: {error} (traceback: {log_file})" in failed
+    # the cause first; rank 0's error, which only repeats it, is left out
+    assert failed[0] == f"ups: rank 1 failed: {error} (traceback: {log_file})"
     assert "Traceback" not in run.stderr  # rank 1's is in its log file:
     (failure,) = [e for e in events(log_file) if e["event"] == "failed"]
     assert failure["exception"].startswith("Traceback") and error in failure["exception"]
-    if skip_oom == "true":  # agreed on: rank 0 names rank 1 too
-        rank0 = f"ups: rank 0 failed: RankFailedError: step 2: rank 1: {error}"
-        assert f"{rank0} (traceback: {log_file.with_name('rank0.jsonl')})" in failed
+    if skip_oom == "true":  # agreed on: rank 0 names rank 1, which says nothing new
+        assert len(failed) == 1, failed
     # auto, on CPU ranks: no agreement; rank 0 fails in its next collective, or the agent
     # stops it, promptly either way (run_ups has a timeout)
 
@@ -219,7 +219,7 @@ def build(at):
 
 
 @pytest.mark.slow
-def test_a_collective_entered_by_one_rank_is_one_line_per_rank_naming_it(tmp_path: Path) -> None:
+def test_a_collective_entered_by_one_rank_is_one_line_naming_it(tmp_path: Path) -> None:
     (tmp_path / "barrier_metrics.py").write_text(BARRIER_METRICS)
     config = tiny_project(
         tmp_path,
@@ -235,11 +235,11 @@ def test_a_collective_entered_by_one_rank_is_one_line_per_rank_naming_it(tmp_pat
         "in user code called from metrics.factory, in barrier, while rank 1 waited in the "
         "backward pass of step 3"
     )
-    failed = sorted(line for line in run.stderr.splitlines() if line.startswith("ups: rank"))
-    assert failed == [
-        f"ups: rank {rank} failed: {verdict} (traceback: {logs / f'rank{rank}.jsonl'})"
-        for rank in (0, 1)
-    ], run.stderr[-3000:]
+    failed = [line for line in run.stderr.splitlines() if line.startswith("ups: rank")]
+    # both ranks' watchdogs say the same: once, with the lowest rank
+    assert failed == [f"ups: rank 0 failed: {verdict} (traceback: {logs / 'rank0.jsonl'})"], (
+        run.stderr[-3000:]
+    )
     # Nothing else but the JSON log, and torch's C++ warnings, if any: no traceback
     other = [line for line in run.stderr.splitlines() if not line.startswith(("{", "ups: rank"))]
     assert all(re.match(r"\[rank\d\]:\[W", line) for line in other), run.stderr[-3000:]
@@ -288,7 +288,7 @@ def test_a_rank_stuck_reading_the_last_evaluation_is_named(tmp_path: Path) -> No
         "rank 0 is at the end of step 4, while rank 1 waited in the evaluation after step 4"
     )
     failed = [line for line in run.stderr.splitlines() if line.startswith("ups: rank")]
-    assert len(failed) == 2 and all(verdict in line for line in failed), run.stderr[-3000:]
+    assert len(failed) == 1 and verdict in failed[0], run.stderr[-3000:]  # said alike: once
     logs = tmp_path / "runs" / "tiny" / "logs"
     stuck = [e for e in events(logs / "rank0.jsonl") if e["event"] == "ranks stopped answering"]
     assert "time.sleep(1)" in stuck[0]["stack"]  # where rank 0 is: reading the data

@@ -18,7 +18,14 @@ if TYPE_CHECKING:
     from .builtins import SimpleCheckpointOptions, probe_checkpoints
     from .checkpoint_errors import CheckpointError, DiskFullError, UnsafeCheckpointError
     from .cli import EXIT_PREEMPTED
-    from .collectives import Failure, RankFailedError, all_mean, decide, gather_failures
+    from .collectives import (
+        Failure,
+        RankFailedError,
+        RankUsageError,
+        all_mean,
+        decide,
+        gather_failures,
+    )
     from .commit import COMMIT_FILE, LATEST_FILE, Committed, Committing
     from .config import Config, config_from_mapping, load_config, read_yaml
     from .context import RunContext, distributed_session
@@ -69,6 +76,7 @@ _EXPORTS = {
     "UnsafeCheckpointError": ".checkpoint_errors",
     "Failure": ".collectives",
     "RankFailedError": ".collectives",
+    "RankUsageError": ".collectives",
     "all_mean": ".collectives",
     "decide": ".collectives",
     "gather_failures": ".collectives",
@@ -158,6 +166,7 @@ __all__ = [
     "PendingReport",
     "Preemption",
     "RankFailedError",
+    "RankUsageError",
     "Registry",
     "RunContext",
     "SamplerPlugin",

@@ -86,7 +86,7 @@ def _try(ctx: RunContext, trial: Callable[[int], None], size: int) -> list[int]:
     failures = gather_failures(ctx, error)
     crashed = [f for f in failures if not f.out_of_memory]
     if crashed:
-        raise RankFailedError(f"batch size {size}: {crashed[0]}") from error
+        raise RankFailedError.naming(f"batch size {size}: {crashed[0]}", crashed[0]) from error
     oom_ranks = [f.rank for f in failures]
     if ctx.is_main:
         log.info("batch size trial", batch_size=size, fits=not oom_ranks, oom_ranks=oom_ranks)

@@ -479,7 +479,7 @@ def _attempt(config: Config, way: Way) -> Outcome | None:
     try:
         return _train(config, way)
     except Exception as error:
-        if way.label != "B" or not Failure(0, type(error).__name__, str(error)).out_of_memory:
+        if way.label != "B" or not Failure.of(0, error).out_of_memory:
             raise
     return None
 

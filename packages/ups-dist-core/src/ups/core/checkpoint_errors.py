@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .collectives import RankFailedError, decide, gather_failures
 from .context import RunContext
+from .errors import UsageError
 
 T = TypeVar("T")
 
@@ -49,11 +50,18 @@ def agree(
         return
     kinds = {f.kind for f in failed}
     cls = _ERRORS.get(kinds.pop(), CheckpointError) if len(kinds) == 1 else CheckpointError
-    ranks = ", ".join(str(f.rank) for f in failed)
-    details = "; ".join(f"rank {f.rank}: {f.kind}: {f.message}" for f in failed)
-    raise cls(f"{what} failed on rank{'s' if len(failed) > 1 else ''} {ranks}: {details}") from (
-        error
-    )
+    alike: dict[str, list[int]] = {}
+    for f in failed:
+        alike.setdefault(f"{f.kind}: {f.message}", []).append(f.rank)
+    details = "; ".join(f"{_ranks(ranks)}: {said}" for said, ranks in alike.items())
+    if len(alike) == 1:
+        details = f"{_ranks([f.rank for f in failed])}: {next(iter(alike))}"
+    raise cls(f"{what} failed on {details}") from error
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0, 1``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def on_main(
@@ -63,12 +71,17 @@ def on_main(
     :class:`CheckpointError` saying ``what`` failed and why, on every rank. A collective."""
     try:
         return decide(ctx, action, group=group)
-    except RankFailedError as error:
-        raise CheckpointError(f"{what} failed: {error}") from error
-    except CheckpointError:
+    except RankFailedError as error:  # another rank's: said as that rank says it, below
+        failure = error.failure
+        if failure is None or failure.usage:
+            raise
+        said = f"{failure.kind}: {failure.message}"
+        raise CheckpointError(f"{what} failed on rank {failure.rank}: {said}") from error
+    except (CheckpointError, UsageError):
         raise
-    except Exception as error:  # not distributed: decide ran it here
-        raise CheckpointError(f"{what} failed: {describe(error)}") from error
+    except Exception as error:  # this rank's
+        where = f" on rank {ctx.rank}" if ctx.distributed else ""
+        raise CheckpointError(f"{what} failed{where}: {describe(error)}") from error
 
 
 def describe(error: BaseException) -> str:

@@ -276,14 +276,16 @@ def _failed(error: ChildFailedError, logs_dir: Path | None = None) -> int:
     """Print one line for each distinct error of the failed ranks, first to fail first
     (:func:`~ups.core.launch.rank_failures`), with the rank's log file in ``logs_dir``, which
     holds its traceback, if there is one. Return the exit status."""
-    from .launch import rank_failures
+    from .launch import failure_message, rank_failures
 
     # Ranks refused bad input (a usage error: exit 2 in the rank), and any other rank was
     # stopped by a signal (the launcher ending the job): so does ups, saying only the refusal.
-    codes = [failure.exitcode for failure in error.failures.values()]
+    failures = error.failures.values()
+    codes = [failure.exitcode for failure in failures]
     usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
+    refused = {failure_message(f) for f in failures if f.exitcode == EXIT_USAGE}
     for rank, message in rank_failures(error):
-        if usage and error.failures[rank].exitcode != EXIT_USAGE:
+        if usage and message not in refused:  # a rank stopped, however late it said it
             continue
         line = f"ups: rank {rank} failed: {message}"
         log_file = None if logs_dir is None else logs_dir / f"rank{rank}.jsonl"

@@ -16,12 +16,32 @@ import torch
 import torch.distributed as dist
 
 from .context import RunContext
+from .errors import UsageError
 
 T = TypeVar("T")
 
 
 class RankFailedError(RuntimeError):
-    """Raised on every rank when the rank that decided failed to; names that rank."""
+    """Raised on the ranks that did not fail when another rank failed what every rank does
+    (:func:`decide`, a step agreed by :func:`gather_failures`); names that rank and its error.
+    Where that error was a :class:`~ups.core.UsageError` (bad input every rank shares), it is
+    a :class:`RankUsageError`: the command line exits 2 on every rank."""
+
+    def __init__(self, message: str, failure: Failure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+        """The rank that failed and how, where the error is about one rank's failure."""
+
+    @classmethod
+    def naming(cls, message: str, failure: Failure) -> RankFailedError:
+        """The error saying ``message`` about ``failure``: a :class:`RankUsageError` where
+        ``failure`` was a usage error."""
+        return (RankUsageError if failure.usage else RankFailedError)(message, failure)
+
+
+class RankUsageError(RankFailedError, UsageError):
+    """A :class:`RankFailedError` for another rank's usage error: ranks that were told of bad
+    input exit as the rank that found it does (status 2 from the command line)."""
 
 
 def decide(
@@ -29,22 +49,27 @@ def decide(
 ) -> T:
     """Run ``decision`` on rank 0 and return its (picklable) result on every rank.
 
-    If it raises on rank 0, every rank raises :class:`RankFailedError` with rank 0's message,
-    so no rank is left waiting in a later collective. Every rank must call this. ``group``:
-    the process group to talk over (every rank of the job is in it); ``None``: the default.
+    If it raises on rank 0, rank 0 raises that error (as without a process group) and every
+    other rank a :class:`RankFailedError` with rank 0's message, so no rank is left waiting in
+    a later collective. Every rank must call this. ``group``: the process group to talk over
+    (every rank of the job is in it); ``None``: the default.
     """
     if not ctx.distributed:
         return decision()
     payload: list[object] = [None]
+    failed = None
     if ctx.is_main:
         try:
             payload[0] = ("ok", decision())
         except Exception as error:
-            payload[0] = ("error", f"{type(error).__name__}: {error}")
+            failed = error
+            payload[0] = ("error", Failure.of(0, error))
     dist.broadcast_object_list(payload, src=0, group=group, device=_object_device(ctx, group))
+    if failed is not None:
+        raise failed
     status, value = typing.cast(tuple[str, Any], payload[0])
     if status == "error":
-        raise RankFailedError(f"rank 0 failed: {value}")
+        raise RankFailedError.naming(f"rank 0 failed: {value.kind}: {value.message}", value)
     return typing.cast(T, value)
 
 
@@ -56,6 +81,13 @@ class Failure:
     kind: str
     """The exception's class name."""
     message: str
+    usage: bool = False
+    """Whether the exception was a :class:`~ups.core.UsageError`: bad input, not a fault."""
+
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> Failure:
+        """How ``error`` failed ``rank``."""
+        return cls(rank, type(error).__name__, str(error), isinstance(error, UsageError))
 
     @property
     def out_of_memory(self) -> bool:
@@ -98,10 +130,10 @@ def _gather(
     value: float | None,
 ) -> tuple[list[Failure], torch.Tensor | None]:
     """The failures, and the sum of ``value`` over the ranks (``None`` without a value)."""
-    mine = None if error is None else (type(error).__name__, str(error))
+    mine = None if error is None else Failure.of(ctx.rank, error)
     if not ctx.distributed:
         total = None if value is None else torch.full((1,), value, dtype=torch.float64)
-        return [Failure(0, *mine)] if mine is not None else [], total
+        return [mine] if mine is not None else [], total
     device = _object_device(ctx, group) or torch.device("cpu")
     numbers = [float(mine is not None)] + ([] if value is None else [value])
     summed = torch.tensor(numbers, dtype=torch.float64, device=device)
@@ -109,9 +141,9 @@ def _gather(
     dist.all_reduce(summed, group=group)  # the failed ranks counted, and the values summed
     if not summed[0].item():
         return [], total
-    gathered: list[tuple[str, str] | None] = [None] * ctx.world_size
+    gathered: list[Failure | None] = [None] * ctx.world_size
     dist.all_gather_object(gathered, mine, group=group)
-    return [Failure(rank, *f) for rank, f in enumerate(gathered) if f is not None], total
+    return [f for f in gathered if f is not None], total
 
 
 def sum_later(ctx: RunContext, value: float) -> Callable[[], torch.Tensor]:

@@ -21,11 +21,17 @@ class ConfigError(UsageError):
         self.problem = problem
         super().__init__(f"{path}: {problem}" if path else problem)
 
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
+        """Pickled by its arguments (to another process), not by its message."""
+        return type(self), (self.path, self.problem)
+
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """Return ``"; did you mean 'x'?"`` for the closest of ``choices``, or ``""`` if none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    """Return ``"; did you mean 'x'?"`` for the closest of ``choices``, or ``""`` if none is close
+    (case aside: ``PowerSGD`` is close to ``powersgd``)."""
+    by_lower = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
 
 
 def one_of(choices: Iterable[str]) -> str:

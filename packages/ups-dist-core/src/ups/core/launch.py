@@ -28,7 +28,7 @@ from .plugins import load_plugins
 from .records import TrainResult
 
 if TYPE_CHECKING:  # the launcher plugins build command lines with this module: no torch
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
     from torch.distributed.launcher.api import LaunchConfig
 
     from .context import RunContext
@@ -201,21 +201,41 @@ def torchrun(config: Path, nproc: int, overrides: Iterable[str], max_restarts: i
 
 def rank_failures(error: ChildFailedError) -> list[tuple[int, str]]:
     """What the ranks of a failed launch said, one ``(rank, message)`` per distinct message,
-    the cause first: a rank's own error before a :class:`~ups.core.RankFailedError` that
-    repeats another rank's, then the first said first (the agent's timestamps are whole
-    seconds), each message with the lowest rank that said it, so that ranks failing alike (bad
-    input every rank reads) are named the same way whichever exited first. A message is the
-    one-line error the rank's error file holds, else how its process ended."""
+    the cause first: a message that repeats another rank's whole message is left out, a rank's
+    own error comes before a :class:`~ups.core.RankFailedError` naming another rank, then the
+    first said first (when its error file was written). Each message comes with the
+    lowest rank that said it, so that ranks failing alike (bad input every rank reads) are
+    named the same way whichever exited first. A message is the one-line error the rank's
+    error file holds, else how its process ended."""
     said: dict[str, tuple[bool, float, int]] = {}
     for rank, failure in error.failures.items():
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        message = " ".join((message or f"exit code {failure.exitcode}").split())
-        echo = message.startswith("RankFailedError: ")
-        first = said.get(message, (echo, failure.timestamp, rank))
-        said[message] = (echo, min(first[1], failure.timestamp), min(first[2], rank))
-    return [(key[2], message) for message, key in sorted(said.items(), key=lambda i: i[1])]
+        message = failure_message(failure)
+        echo = message.startswith(("RankFailedError: ", "RankUsageError: "))
+        when = _when(failure.error_file, failure.timestamp)
+        first = said.get(message, (echo, when, rank))
+        said[message] = (echo, min(first[1], when), min(first[2], rank))
+    # A message holding another is that one repeated (RankFailedError: rank 1: <its error>)
+    return [
+        (key[2], message)
+        for message, key in sorted(said.items(), key=lambda i: i[1])
+        if not any(other in message for other in said if other != message)
+    ]
+
+
+def failure_message(failure: ProcessFailure) -> str:
+    """A failed rank's error in one line: what its error file holds, else how it ended."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return " ".join((message or f"exit code {failure.exitcode}").split())
+
+
+def _when(error_file: str, timestamp: float) -> float:
+    """When a rank wrote its error file: the agent's ``timestamp`` is in whole seconds."""
+    try:
+        return os.stat(error_file).st_mtime
+    except OSError:  # none: the process ended without one, when the agent saw it
+        return timestamp
 
 
 def free_port() -> int:

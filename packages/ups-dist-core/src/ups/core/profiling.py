@@ -244,7 +244,8 @@ def _agreed_seconds(
     seconds = time.perf_counter() - start
     failures = gather_failures(ctx, error)
     if failures:
-        raise RankFailedError(f"comm_profile (sync={sync}): {failures[0]}") from error
+        first = failures[0]
+        raise RankFailedError.naming(f"comm_profile (sync={sync}): {first}", first) from error
     return seconds
 
 

@@ -22,6 +22,7 @@ from .config import Config
 from .context import RunContext
 from .errors import ConfigError, UsageError
 from .faults import FaultInjector
+from .model_state import load_model_state
 from .records import Checkpointer, Loaded
 from .rng import rng_state
 from .rundir import keep_until
@@ -205,7 +206,13 @@ class TrainingState:
         state = Saved.from_dict(loaded.state, loaded.location)
         self._check_identity(loaded.step, state.identity)
         self._supersede_after(loaded.step)
-        self.model.load_state_dict(state.model)
+        load_model_state(
+            self.model,
+            state.model,
+            key="checkpoint.resume",
+            source=f"the checkpoint {loaded.location}",
+            advice="start afresh (checkpoint.resume: none) or in another run folder (run.name)",
+        )
         self.optimizer.load_state_dict(state.optimizer)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state.scheduler)

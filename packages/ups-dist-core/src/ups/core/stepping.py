@@ -491,9 +491,9 @@ class Stepper:
         step = self._number
         crashed = [f for f in failures if not f.out_of_memory]
         if crashed:
-            if error is not None and not Failure(0, type(error).__name__, str(error)).out_of_memory:
+            if error is not None and not Failure.of(self.ctx.rank, error).out_of_memory:
                 raise error
-            raise RankFailedError(f"step {step}: {crashed[0]}")
+            raise RankFailedError.naming(f"step {step}: {crashed[0]}", crashed[0])
         self.oom_skipped += 1
         self.oom_in_a_row += 1
         ranks = [f.rank for f in failures]
