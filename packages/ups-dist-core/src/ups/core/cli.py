@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -447,9 +448,18 @@ def _check_exact(args: argparse.Namespace) -> int:
 
 
 def _check(config: Config, registry: Registry, nproc: int | None) -> None:
+    """Validate ``config``, logging its warnings. Under ``UPS_TRACEBACK``, the error of a
+    module or file that failed to import is printed with its traceback first."""
+    from .imports import TRACEBACK_ENV
     from .validate import validate
 
-    for warning in validate(config, registry, nproc):
+    try:
+        warnings = validate(config, registry, nproc)
+    except UsageError as error:
+        if error.__cause__ is not None and os.environ.get(TRACEBACK_ENV):
+            traceback.print_exception(error.__cause__)
+        raise
+    for warning in warnings:
         structlog.get_logger().warning(warning)
 
 
