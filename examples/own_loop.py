@@ -60,8 +60,11 @@ with distributed_session(enabled=True) as ctx:
     sampler = MultiTaskDistributedSampler(
         data, num_replicas=ctx.world_size, rank=ctx.rank, mixing="balanced", seed=0, batch_size=16
     )
-    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    # its own generator: a new epoch's iterator then draws nothing from the global RNG
+    loader = DataLoader(data, batch_size=16, sampler=sampler, generator=torch.Generator())
     checkpoints = checkpointer(args.out, ctx=ctx, keep_last=2, async_save=True)
+
+    window = LossWindow(TASKS, ctx.device)
 
     step = 0
     if (loaded := checkpoints.load_latest()) is not None:
@@ -71,14 +74,15 @@ with distributed_session(enabled=True) as ctx:
         sampler.load_state_dict(loaded.state["sampler"])
         if loaded.rank_state is not None:  # None when saved by another number of ranks
             powersgd.load_state_dict(loaded.rank_state["powersgd"])
+            window.load_state_dict(loaded.rank_state["window"])  # the report under way
         log.info("resumed", step=step, rank=ctx.rank)
 
     def save() -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
         state["sampler"] = sampler.state_dict()
-        checkpoints.save(state, step=step, rank_state={"powersgd": powersgd.state_dict()})
+        own = {"powersgd": powersgd.state_dict(), "window": window.state_dict()}
+        checkpoints.save(state, step=step, rank_state=own)
 
-    window = LossWindow(TASKS, ctx.device)
     stop = False
     with Preemption(ctx) as preemption, Watchdog(ctx) as watchdog:
         stream = batches(loader, sampler)
@@ -94,11 +98,11 @@ with distributed_session(enabled=True) as ctx:
             if step == int(os.environ.get("OWN_LOOP_DIE_AT", 0)) and ctx.restart_count == 0:
                 os.kill(os.getpid(), signal.SIGKILL)  # the restart test's crash, first run only
             if step % args.every == 0:
-                save()
                 metrics = window.report(ctx).result()  # every rank's samples, per task
                 stop = decide(ctx, lambda: (args.out / "STOP").exists())
                 if ctx.is_main:
                     log.info("step", step=step, **metrics)
+                save()  # after all that changes state at this step, as a resume goes on from it
             stop = preemption.agreed() or stop  # a signal on any rank: all stop at this step
     if step % args.every:  # not saved at this step yet
         save()

@@ -4,6 +4,7 @@ with their defaults; and none of them imports the engine."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ups.core import ConfigError, LossWindow, Preemption, RunContext, Watchdog, decide
 from ups.core.testing import counting_all_reduces, run_ranks
@@ -69,5 +72,50 @@ def test_the_own_loop_parts_with_their_defaults_and_without_the_engine() -> None
 def test_bad_arguments_are_refused_naming_them() -> None:
     with pytest.raises(ConfigError, match=r"^tasks: expected a list of task names, got 'ab'$"):
         LossWindow("ab", torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"^signals: 'SIGTERM' is not a signal; allowed: "):
+    with pytest.raises(ConfigError, match=r"^signals: must be signals .*, not 'SIGTERM'$"):
         Preemption(RunContext(), ["SIGTERM"])  # type: ignore[list-item]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(st.tuples(st.floats(0, 10), st.integers(0, 2)), min_size=1, max_size=5),
+        min_size=1,
+        max_size=40,
+    ),
+    cut=st.integers(0, 40),
+    means=st.booleans(),
+)
+def test_a_window_saved_between_reports_reports_as_an_unbroken_one(
+    batches: list[list[tuple[float, int]]], cut: int, means: bool
+) -> None:
+    ctx = RunContext()
+
+    def add(window: LossWindow, batch: list[tuple[float, int]]) -> None:
+        losses = torch.tensor([loss for loss, _ in batch])
+        if means:  # a step whose loss is the batch's mean
+            window.add_mean(losses.mean(), len(batch))
+        else:
+            window.add(losses, torch.tensor([task for _, task in batch]))
+
+    unbroken = LossWindow(("a", "b", "c"), ctx.device)
+    for batch in batches:
+        add(unbroken, batch)
+    first = LossWindow(("a", "b", "c"), ctx.device)
+    for batch in batches[:cut]:
+        add(first, batch)
+    saved = io.BytesIO()
+    torch.save(first.state_dict(), saved)
+    resumed = LossWindow(("a", "b", "c"), ctx.device)
+    add(resumed, [(99.0, 0)])  # what it held before loading is replaced
+    resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    for batch in batches[cut:]:
+        add(resumed, batch)
+    expected = unbroken.report(ctx).result()  # a task without samples: nan in both
+    assert resumed.report(ctx).result() == pytest.approx(expected, rel=1e-12, nan_ok=True)
+
+
+def test_a_window_refuses_a_state_saved_with_other_tasks() -> None:
+    state = LossWindow(("a", "b"), torch.device("cpu")).state_dict()
+    with pytest.raises(ConfigError, match=r"tasks: the saved window has tasks \['a', 'b'\]"):
+        LossWindow(("a", "c"), torch.device("cpu")).load_state_dict(state)

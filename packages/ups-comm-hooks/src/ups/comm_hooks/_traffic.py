@@ -16,8 +16,8 @@ which the engine reports next to it, is what a hook saves.
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import torch
@@ -53,6 +53,23 @@ class Traffic:
         self._bytes: defaultdict[int, int] = defaultdict(int)
         self._seconds: defaultdict[int, float] = defaultdict(float)
         self._started: dict[int, float] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the hook keeps between steps, each rank its own, to checkpoint with the model
+        (a hook with memory, such as PowerSGD's, extends it): nothing here, so that a loop
+        saves and restores every hook alike."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from what :meth:`state_dict` returned: nothing to restore here.
+
+        :raises ValueError: when ``state`` holds something (another hook's state).
+        """
+        if state:
+            raise ValueError(
+                f"this hook keeps no state between steps; the state given has {sorted(state)}: "
+                "was it saved by another hook?"
+            )
 
     @property
     def world_size(self) -> int:

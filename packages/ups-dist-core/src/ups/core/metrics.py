@@ -8,7 +8,7 @@ so their tensors have one shape and the collective cannot mismatch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +86,26 @@ class LossWindow:
         """Whether every loss added since the last report was finite (a host sync)."""
         self._add_held()
         return bool(torch.isfinite(self._sums).all())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window so far (this rank's sums and counts per task), to save with a checkpoint
+        taken between reports: a resumed loop's next report then covers the same steps as an
+        unstopped one's. A host sync."""
+        self._add_held()
+        return {"tasks": list(self.tasks), "sums": self._sums.cpu().clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from a window :meth:`state_dict` saved.
+
+        :raises ConfigError: when it was saved with other tasks.
+        """
+        if list(state["tasks"]) != list(self.tasks):
+            raise ConfigError(
+                "tasks",
+                f"the saved window has tasks {list(state['tasks'])}, this one {list(self.tasks)}",
+            )
+        self._held, self._held_means = [], []
+        self._sums = state["sums"].to(self._sums.device, self._sums.dtype).clone()
 
     def report(self, ctx: RunContext) -> PendingReport:
         """Start aggregating the window over all ranks (an all-reduce, not waited for) and
