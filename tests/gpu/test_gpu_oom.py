@@ -114,7 +114,7 @@ def test_one_oom_more_than_max_oom_skips_stops_every_rank(tmp_path: Path, nproc:
         "step 3: out of memory on rank 0 3 times in a row (training.max_oom_skips: 2); "
         "lower training.batch_size (`ups tune` finds the largest that fits)"
     )
-    # every rank stops with it (rank 1 did not run out of memory): said once, for rank 0
-    failed = [line for line in result.stderr.splitlines() if line.startswith("ups: rank ")]
-    assert len(failed) == 1, failed
-    assert failed[0].startswith(f"ups: rank 0 failed: RankFailedError: {message}")
+    if nproc == 2:  # rank 1 did not run out of memory and stops all the same: said once
+        failed = [line for line in result.stderr.splitlines() if line.startswith("ups: rank ")]
+        assert len(failed) == 1, failed
+        assert failed[0].startswith(f"ups: rank 0 failed: RankFailedError: {message}")
