@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from mlflow import MlflowClient
 from mlflow.entities import Run
 
@@ -23,6 +25,7 @@ from ups.core.testing import (
     tracker_metrics,
 )
 from ups_mlflow import ID_FILE, plugin
+from ups_mlflow.plugin import resumed_params
 
 pytestmark = pytest.mark.filterwarnings(
     # MLflow's SQL store, reading runs back with SQLAlchemy 2.1
@@ -193,6 +196,8 @@ def test_a_dead_tracking_server_costs_one_warning_and_no_training(
     warnings = [line for line in result.stderr.splitlines() if "mlflow failed" in line]
     assert len(warnings) == 1, result.stderr[-3000:]
     assert dead in warnings[0]
+    # one line, the cause at its end kept however long the error before it
+    assert json.loads(warnings[0])["error"].endswith("Connection refused"), warnings[0]
     lines = (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [2, 4, 6, 8]
 
@@ -209,3 +214,82 @@ def test_the_installed_entry_point_is_found() -> None:
     registry = load_plugins(env={})
     assert any(p.name == "mlflow" and p.status == "enabled" for p in registry.plugins)
     assert "mlflow" in registry.records("section")
+
+
+KEYS = st.sampled_from(["training.lr", "training.epochs", "run.seed", "new.key"])
+
+
+@given(
+    st.dictionaries(KEYS, st.sampled_from(["1", "2", "3"])),
+    st.lists(
+        st.tuples(st.integers(0, 3), st.dictionaries(KEYS, st.sampled_from(["1", "2", "3"]))),
+        max_size=5,
+    ),
+)
+def test_params_changed_on_resume_are_logged_under_new_keys_only(
+    first: dict[str, str], resumes: list[tuple[int, dict[str, str]]]
+) -> None:
+    """Each resume (at any step, the same one twice too) logs what differs from the run's
+    latest values under keys never logged before, and then nothing more for the same config."""
+    logged = dict(first)
+    for step, values in resumes:
+        current = first | values
+        changed = resumed_params(logged, current, step)
+        assert not set(changed) & set(logged)  # MLflow refuses to change a param
+        logged |= changed
+        assert resumed_params(logged, current, step) == {}
+        for key, value in current.items():
+            newest = [k for k in changed if k == key or k.endswith(f".{key}")]
+            assert [changed[k] for k in newest] in ([], [value])
+
+
+def the_only_run(uri: str, experiment: str) -> Run:
+    return the_run(MlflowClient(uri), experiment)
+
+
+@pytest.mark.slow  # three `ups train` processes
+def test_a_resumed_run_logs_its_changed_params_and_says_when_its_store_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UPS_BLOCK_PLUGINS", "tensorboard,wandb")
+    first, second = (f"sqlite:///{tmp_path}/{name}/mlflow.db" for name in ("a", "b"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    work = tmp_path / "work"
+    config = tiny_project(
+        work,
+        checkpoint={"every_steps": 4, "resume": "latest"},
+        plugins={"mlflow": {"tracking_uri": first, "experiment": "pde"}},
+    )
+    done = run_ups("train", str(config), cwd=work)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = the_only_run(first, "pde")
+    # the experiment the plugin created keeps its artifacts beside the store, not in ./mlruns
+    assert {a.path for a in MlflowClient(first).list_artifacts(run.info.run_id)} == {
+        "report.png",
+        "summary.txt",
+    }
+    assert (tmp_path / "a" / "mlartifacts").is_dir()
+    assert not (work / "mlruns").exists()
+
+    changed = ["-o", "training.epochs=2", "-o", "training.lr=0.1"]
+    resumed = run_ups("train", str(config), *changed, cwd=work)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    again = the_only_run(first, "pde")
+    assert again.info.run_id == run.info.run_id  # continued
+    params = again.data.params
+    assert json.loads(params["training.lr"]) == 0.05  # MLflow keeps the first value
+    assert json.loads(params["resumed_1_at_8.training.lr"]) == 0.1
+    assert json.loads(params["resumed_1_at_8.training.epochs"]) == 2
+    assert not any(key.startswith("resumed_1_at_8.run.") for key in params)
+    assert again.data.tags["ups.digest"] == load_config(config, changed[1::2]).digest()
+
+    moved = [*changed, "-o", "training.epochs=3", "-o", f"plugins.mlflow.tracking_uri={second}"]
+    result = run_ups("train", str(config), *moved, cwd=work)
+    assert result.returncode == 0, result.stderr[-2000:]
+    warnings = [json.loads(line) for line in result.stderr.splitlines() if first in line]
+    assert [w["level"] for w in warnings] == ["warning"], result.stderr[-3000:]
+    assert second in warnings[0]["event"] and run.info.run_id in warnings[0]["event"]
+    new = the_only_run(second, "pde")
+    assert [step for step, _ in logged(MlflowClient(second), new)["train/loss"]] == [18, 20, 22, 24]
+    assert the_only_run(first, "pde").info.run_id == run.info.run_id  # left as it was

@@ -9,8 +9,14 @@ parses each record with wandb's own protobuf schema, ``wandb.proto.wandb_interna
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import struct
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +27,6 @@ from ups.core import Config, RunContext, load_config, load_plugins
 from ups.core.engine import train
 from ups.core.testing import (
     KILLER_MODULE,
-    free_port,
     install_plugin,
     run_ranks,
     run_ups,
@@ -178,20 +183,61 @@ def test_a_killed_run_resumed_continues_its_wandb_run(
     assert history(files) == want
 
 
-@pytest.mark.slow  # an `ups train` process
-def test_a_dead_server_costs_one_warning_and_no_training(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """The URL of a loopback server that accepts connections and never answers."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)
+        held: list[socket.socket] = []
+        stop = threading.Event()
+
+        def accept() -> None:
+            server.settimeout(0.2)
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    held.append(server.accept()[0])
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+        stop.set()
+        thread.join()
+        for connection in held:
+            connection.close()
+
+
+def timed_train(config: Path, cwd: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    result = run_ups("train", str(config), cwd=cwd)
+    return result, time.monotonic() - start
+
+
+@pytest.mark.slow  # two `ups train` processes
+def test_a_server_that_never_answers_costs_init_timeout_and_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, silent_server: str
 ) -> None:
-    monkeypatch.setenv("UPS_BLOCK_PLUGINS", "tensorboard,mlflow")
-    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("WANDB_BASE_URL", silent_server)
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
-    config = tiny_project(tmp_path, plugins={"wandb": {"mode": "online", "init_timeout_s": 2.0}})
-    result = run_ups("train", str(config), cwd=tmp_path)
+    monkeypatch.delenv("WANDB_ERROR_REPORTING", raising=False)
+    timeout = 3.0
+    plugins = {"wandb": {"mode": "online", "init_timeout_s": timeout}}
+    monkeypatch.setenv("UPS_BLOCK_PLUGINS", "tensorboard,mlflow,wandb")
+    off = tiny_project(tmp_path / "off", plugins=plugins)
+    without, baseline = timed_train(off, tmp_path / "off")  # the same run, W&B off
+    assert without.returncode == 0, without.stderr[-2000:]
+    monkeypatch.setenv("UPS_BLOCK_PLUGINS", "tensorboard,mlflow")
+    result, elapsed = timed_train(tiny_project(tmp_path / "on", plugins=plugins), tmp_path / "on")
     assert result.returncode == 0, result.stderr[-2000:]
     warnings = [line for line in result.stderr.splitlines() if "wandb failed" in line]
     assert len(warnings) == 1, result.stderr[-3000:]
-    lines = (tmp_path / "runs/tiny/metrics.jsonl").read_text().splitlines()
+    # the error and its cause on one line, whole
+    error = json.loads(warnings[0])["error"]
+    assert "Timed out initializing run" in error and "context deadline exceeded" in error
+    lines = (tmp_path / "on/runs/tiny/metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [2, 4, 6, 8]
+    # W&B's wait bounded by init_timeout_s (a margin for a loaded machine), exit included
+    assert elapsed - baseline < timeout + 5, (elapsed, baseline)
 
 
 def test_ups_validate_checks_the_section(tmp_path: Path) -> None:

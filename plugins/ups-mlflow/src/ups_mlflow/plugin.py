@@ -5,15 +5,21 @@ Rank 0 alone logs, into one MLflow run per training run, when the config has a
 ``plugins.mlflow`` section: the resolved config as params (dotted keys), every training report
 and evaluation as metrics ``train/NAME`` and ``eval/NAME`` at their optimizer step, the run's
 name and tags, and at the end the summary (tags ``ups.*``, ``summary.txt``) and the report's
-figure (``report.png``) as artifacts. The MLflow run's id is kept in ``RUN_DIR/mlflow.json``:
-a run that resumes from a checkpoint continues the same MLflow run, which then holds each step
-once. An MLflow run cannot forget a value, so when the interrupted attempt logged steps after
-the checkpoint (which the resumed run reports again), a new MLflow run takes the old one's
-history up to the checkpoint (with its timestamps), the params and tags, and the old one is
-deleted (MLflow keeps deleted runs restorable until ``mlflow gc``); one line says so.
+figure (``report.png``) as artifacts, into the experiment's artifact location (for an
+experiment the plugin creates: ``artifact_location``, else ``mlartifacts`` beside an SQLite
+store's database). The MLflow run's id is kept in ``RUN_DIR/mlflow.json``: a run that resumes
+from a checkpoint continues the same MLflow run, which then holds each step once; a param the
+resumed config changed is logged again as ``resumed_N_at_STEP.KEY`` (MLflow params cannot
+change), and the tag ``ups.digest`` follows the config. An MLflow run cannot forget a value, so
+when the interrupted attempt logged steps after the checkpoint (which the resumed run reports
+again), a new MLflow run takes the old one's history up to the checkpoint (with its
+timestamps), the params and tags, and the old one is deleted (MLflow keeps deleted runs
+restorable until ``mlflow gc``); one line says so. A run resumed with another
+``tracking_uri`` starts a new MLflow run there, with a warning naming both stores.
 
-MLflow failing (a bad URI, a server down) never stops training: one warning, and the plugin
-logs nothing more for the run; the metrics stay in ``metrics.jsonl``.
+MLflow failing (a bad URI, a server down) never stops training: one warning (the error and its
+root cause on one line), and the plugin logs nothing more for the run; the metrics stay in
+``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -35,6 +42,7 @@ from ups.core import (
     TrainResult,
     UsageError,
     hookimpl,
+    one_line,
     read_metrics,
     write_report,
 )
@@ -57,6 +65,11 @@ PARAM_LENGTH = 6000
 """The longest param value MLflow stores; a longer one (a long schedule) is cut there."""
 METRICS_PER_CALL = 1000
 """The most metrics MLflow takes in one ``log_batch``."""
+RESUMED = re.compile(r"resumed_(\d+)_at_(\d+)\.(.+)")
+"""A param the Nth resume that changed params changed, at step STEP:
+``resumed_N_at_STEP.KEY``, its value from then on."""
+ARTIFACTS = "mlartifacts"
+"""Beside an SQLite store's database: the artifacts of the experiments the plugin creates."""
 
 
 @attrs.frozen(kw_only=True)
@@ -70,6 +83,11 @@ class MlflowOptions:
     """The experiment the run goes to, created if missing."""
     tags: dict[str, Any] = attrs.field(factory=dict)
     """Tags of the run, besides ``ups.*``."""
+    artifact_location: str | None = None
+    """Where an experiment the plugin creates keeps its runs' artifacts (a folder, relative to
+    the working directory, or a URI: ``s3://bucket/mlflow``); ``null``: ``mlartifacts`` beside
+    an SQLite store's database, the server's own place for a tracking server, MLflow's default
+    otherwise. An existing experiment keeps its own."""
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -174,7 +192,7 @@ class MlflowTracker:
                 "mlflow failed; logging no more to it, the metrics stay in metrics.jsonl",
                 during=what,
                 tracking_uri=self.options.tracking_uri,
-                error=f"{type(error).__name__}: {' '.join(str(error).split())[:300]}",
+                error=one_line(error),
             )
             self.config = None
 
@@ -188,7 +206,17 @@ class MlflowTracker:
         uri = self.options.tracking_uri or mlflow.get_tracking_uri()
         self.client = mlflow.MlflowClient(uri)
         kept = _read_id(config.run_dir / ID_FILE)
-        if self.resumed_at is None or not kept or kept.get("tracking_uri") != uri:
+        if self.resumed_at is None or not kept:
+            self._create(config, uri)
+            return
+        if kept.get("tracking_uri") != uri:
+            log.warning(
+                f"mlflow: the run resumed with tracking_uri {uri}, its MLflow run "
+                f"{kept['run_id']} is in {kept.get('tracking_uri')}: a new MLflow run starts "
+                f"in {uri}, from step {self.resumed_at + 1} on; the earlier steps stay in "
+                f"{kept.get('tracking_uri')}",
+                run_id=kept["run_id"],
+            )
             self._create(config, uri)
             return
         old = kept["run_id"]
@@ -201,6 +229,7 @@ class MlflowTracker:
             self.run_id = old
             self.client.update_run(self.run_id, status="RUNNING")
             log.info("mlflow run continued", run_id=self.run_id, tracking_uri=uri)
+            self._changed_params(config)
             return
         self._create(config, uri)
         history = [point for point in history if point.step <= self.resumed_at]
@@ -221,7 +250,10 @@ class MlflowTracker:
         experiment_id = (
             experiment.experiment_id
             if experiment is not None
-            else self.client.create_experiment(self.options.experiment)
+            else self.client.create_experiment(
+                self.options.experiment,
+                artifact_location=artifact_location(self.options.artifact_location, uri),
+            )
         )
         tags = {str(k): str(v) for k, v in self.options.tags.items()}
         tags |= {"ups.digest": config.digest()} | sweep_tags(os.environ)
@@ -234,12 +266,66 @@ class MlflowTracker:
         self._params(config)
 
     def _params(self, config: Config) -> None:
+        self._log_params(params(config))
+
+    def _changed_params(self, config: Config) -> None:
+        """Log the params the resumed ``config`` changed (:func:`resumed_params`), and set
+        ``ups.digest`` to its digest."""
+        logged = self.client.get_run(self.run_id).data.params
+        changed = resumed_params(logged, params(config), max(self.resumed_at or 0, 0))
+        self._log_params(changed)
+        self.client.set_tag(self.run_id, "ups.digest", config.digest())
+        if changed:
+            log.info("mlflow params changed on resume", params=sorted(changed))
+
+    def _log_params(self, values: Mapping[str, str]) -> None:
         from mlflow.entities import Param
 
-        plain = json.loads(json.dumps(attrs.asdict(config), default=str))
-        params = [Param(key, json.dumps(value)[:PARAM_LENGTH]) for key, value in flatten(plain)]
-        for first in range(0, len(params), PARAMS_PER_CALL):
-            self.client.log_batch(self.run_id, params=params[first : first + PARAMS_PER_CALL])
+        batch = [Param(key, value) for key, value in values.items()]
+        for first in range(0, len(batch), PARAMS_PER_CALL):
+            self.client.log_batch(self.run_id, params=batch[first : first + PARAMS_PER_CALL])
+
+
+def params(config: Config) -> dict[str, str]:
+    """The config as MLflow params: dotted keys, JSON values (cut at :data:`PARAM_LENGTH`)."""
+    plain = json.loads(json.dumps(attrs.asdict(config), default=str))
+    return {key: json.dumps(value)[:PARAM_LENGTH] for key, value in flatten(plain)}
+
+
+def resumed_params(
+    logged: Mapping[str, str], current: Mapping[str, str], step: int
+) -> dict[str, str]:
+    """The params to log when a run that logged ``logged`` resumes at ``step`` with the params
+    ``current``: each whose value differs from the run's latest for its key (that of the last
+    resume's ``resumed_N_at_STEP.KEY``, else ``KEY``), as ``resumed_N_at_STEP.KEY`` with ``N``
+    one more than the last resume's, or as ``KEY`` when the run never had it. No key logged
+    before is given again: MLflow params cannot change."""
+    latest = {key: value for key, value in logged.items() if not RESUMED.fullmatch(key)}
+    resumed = [(m, value) for key, value in logged.items() if (m := RESUMED.fullmatch(key))]
+    for found, value in sorted(resumed, key=lambda item: int(item[0][1])):
+        latest[found[3]] = value
+    n = 1 + max((int(found[1]) for found, _ in resumed), default=0)
+    return {
+        f"resumed_{n}_at_{step}.{key}" if key in latest else key: value
+        for key, value in current.items()
+        if latest.get(key) != value
+    }
+
+
+def artifact_location(option: str | None, uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: ``option`` (a relative folder made
+    absolute), else ``mlartifacts`` beside the database of an SQLite store (``sqlite:///PATH``),
+    else ``None``: the tracking server's or MLflow's choice."""
+    if option is not None:
+        return option if "://" in option else str(Path(option).resolve())
+    if not uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url  # MLflow's SQL stores are SQLAlchemy's
+
+    database = make_url(uri).database
+    if not database or database == ":memory:":
+        return None
+    return str(Path(database).resolve().parent / ARTIFACTS)
 
 
 def _summary_field(attribute: attrs.Attribute[Any], _value: object) -> bool:

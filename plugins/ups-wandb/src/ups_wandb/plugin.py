@@ -12,8 +12,10 @@ continued run therefore first logs again what ``metrics.jsonl`` held when it res
 W&B keeps what it received and ignores steps before its last). Inside a trial of
 ``ups sweep`` (ups-optuna), the run's group is the study.
 
-W&B failing (no network, a bad key, a server down) never stops training: one warning, and the
-plugin logs nothing more for the run; the metrics stay in ``metrics.jsonl``.
+W&B failing (no network, a bad key, a server down) never stops training: one warning (the
+error and its root cause on one line), and the plugin logs nothing more for the run; the
+metrics stay in ``metrics.jsonl``. A server that does not answer costs ``init_timeout_s``, no
+more (see :data:`ENV_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ups.core import (
     UsageError,
     above,
     hookimpl,
+    one_line,
     read_metrics,
     write_report,
 )
@@ -49,6 +52,11 @@ ID_FILE = "wandb.id"
 """In the run folder: the id of the W&B run it logs to."""
 SWEEP_ENV = "UPS_OPTUNA_TRIAL"
 """Set by ``ups sweep`` (ups-optuna) for a trial's processes: its study and trial number."""
+ENV_DEFAULTS = {"WANDB_ERROR_REPORTING": "false"}
+"""Set unless set already: wandb's own error reports go to the run's server, and one that does
+not answer held the process's exit about 12 s. With ``quiet`` (no "logged in as" line, whose
+account lookup waited 10 s before ``init_timeout_s`` began), a server that does not answer
+costs ``init_timeout_s``; the plugin logs the run's URL itself."""
 
 
 @attrs.frozen(kw_only=True)
@@ -133,7 +141,7 @@ class WandbTracker:
             log.warning(
                 "wandb failed; logging no more to it, the metrics stay in metrics.jsonl",
                 during=what,
-                error=f"{type(error).__name__}: {' '.join(str(error).split())[:300]}",
+                error=one_line(error),
             )
             self.config = None
             if self.run is not None:
@@ -143,6 +151,8 @@ class WandbTracker:
 
     def _init(self, config: Config) -> Any:
         """Continue the run folder's W&B run when resuming, else start one."""
+        for name, value in ENV_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         import wandb
 
         options = config.section(WandbOptions, "wandb")
@@ -165,9 +175,9 @@ class WandbTracker:
             tags=list(options.tags),
             group=options.group or sweep.get("study"),
             config=plain | {"ups": {"digest": config.digest(), "sweep_trial": sweep.get("trial")}},
-            settings=wandb.Settings(init_timeout=options.init_timeout_s),
+            settings=wandb.Settings(init_timeout=options.init_timeout_s, quiet=True),
         )
-        log.info("wandb run " + ("continued" if kept else "started"), run_id=run_id)
+        log.info("wandb run " + ("continued" if kept else "started"), run_id=run_id, url=run.url)
         if kept and run.offline:
             for record in self.resumed or []:
                 if record["kind"] in ("train", "eval"):

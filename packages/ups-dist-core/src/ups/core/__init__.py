@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .commit import COMMIT_FILE, LATEST_FILE, Committed, Committing
     from .config import Config, config_from_mapping, load_config, read_yaml
     from .context import RunContext, distributed_session
-    from .errors import ConfigError, UsageError, did_you_mean, one_of
+    from .errors import ConfigError, UsageError, did_you_mean, one_line, one_of
     from .files import check_writable, fsync_dir, write_atomically
     from .launch import (
         AGENT_ENV,
@@ -95,6 +95,7 @@ _EXPORTS = {
     "UsageError": ".errors",
     "did_you_mean": ".errors",
     "one_of": ".errors",
+    "one_line": ".errors",
     "check_writable": ".files",
     "fsync_dir": ".files",
     "write_atomically": ".files",
@@ -195,6 +196,7 @@ __all__ = [
     "lazy_exports",
     "load_config",
     "load_plugins",
+    "one_line",
     "one_of",
     "read_metrics",
     "read_yaml",

@@ -38,3 +38,25 @@ def one_of(choices: Iterable[str]) -> str:
     """Render allowed values as ``a, b, c`` (sorted), or ``(none)``."""
     names = sorted(choices)
     return ", ".join(names) if names else "(none)"
+
+
+def one_line(error: BaseException, limit: int = 600) -> str:
+    """``Type: message`` of ``error`` on one line (whitespace collapsed) and, when it was raised
+    from or while handling another error, `` <- Type: message`` of the root cause, the end of
+    that chain: what failed, then why. Over ``limit`` characters, the middle is cut
+    (`` ... ``), so that both ends stay."""
+    root, seen = error, {id(error)}
+    while (below := _cause(root)) is not None and id(below) not in seen:  # a chain may loop
+        root = below
+        seen.add(id(below))
+    parts = [error] if root is error else [error, root]
+    text = " <- ".join(" ".join(f"{type(e).__name__}: {e}".split()) for e in parts)
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    return f"{text[:half]} ... {text[len(text) - half :]}"
+
+
+def _cause(error: BaseException) -> BaseException | None:
+    """The error ``error`` was raised from, or while handling (unless ``from None``)."""
+    return error.__cause__ or (None if error.__suppress_context__ else error.__context__)
