@@ -90,5 +90,5 @@ def test_more_ranks_than_samples_leaves_some_empty() -> None:
 
 @pytest.mark.parametrize(("num_replicas", "rank"), [(2, 2), (3, -1), (0, 0)])
 def test_rejects_a_rank_outside_the_world(num_replicas: int, rank: int) -> None:
-    with pytest.raises(ValueError, match=rf"rank {rank}|num_replicas must be at least 1, got 0"):
+    with pytest.raises(ValueError, match=rf"^rank: .*, not {rank}$|^num_replicas: .*, not 0$"):
         ExactDistributedSampler(range(10), num_replicas=num_replicas, rank=rank)

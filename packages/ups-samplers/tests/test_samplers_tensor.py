@@ -212,5 +212,7 @@ def test_keyed_indices_are_int32() -> None:
 
 
 def test_another_permutation_is_a_value_error_naming_it() -> None:
-    with pytest.raises(ValueError, match="permutation: 'fast' is not one of torch, keyed"):
+    with pytest.raises(
+        ValueError, match="^permutation: must be one of 'torch', 'keyed', not 'fast'$"
+    ):
         TensorDistributedSampler(range(10), 2, 0, permutation="fast")  # type: ignore[arg-type]

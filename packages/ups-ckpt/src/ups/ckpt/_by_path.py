@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ups.core import Checkpointer, ConfigError, RunContext, structure
+from ups.core.arguments import boolean, check_type
 
 from .plugin import ups_checkpoint_backends
 
@@ -36,8 +37,12 @@ def checkpointer(
         multiple of it), ``async_save`` (write in the background: ``save`` returns once the
         state is copied); for a URL, ``storage_options`` (passed to fsspec).
     :raises ConfigError: naming the argument: ``location`` that is a file, an unknown option
-        or one of the wrong type.
+        or one of the wrong type; for an argument of the wrong type, an
+        :class:`~ups.core.arguments.ArgumentTypeError` (a ``TypeError`` too).
     """
+    check_type("location", location, str | os.PathLike, "a folder's path or a URL")
+    check_type("ctx", ctx, RunContext, "a RunContext (from ups.core.distributed_session)")
+    boolean("sharded", sharded)
     backends = {record.name: record for record in ups_checkpoint_backends()}
     text = os.fspath(location)
     if "://" in text:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ups.core import Checkpointer, Loaded, RunContext
+from ups.core.commit import saved_rank_state
 
 log = structlog.get_logger()
 
@@ -51,9 +52,20 @@ class InBackground:
         self._stager = Stager()
         self._in_flight: concurrent.futures.Future[str] | None = None
 
-    def save(self, state: Mapping[str, Any], *, step: int, rank_state: Mapping[str, Any]) -> str:
+    def save(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int,
+        rank_state: Mapping[str, Any] | None = None,
+    ) -> str:
         """Wait for the save before, copy the states, start writing them; return where the
-        checkpoint will be once committed."""
+        checkpoint will be once committed.
+
+        :raises ArgumentTypeError: (a ``TypeError``) at once, for a ``state`` or ``rank_state``
+            that is not a mapping (``None``: no rank state).
+        """
+        rank_state = saved_rank_state(state, rank_state)
         self.wait()
         staged = self._stager.stage({"state": state, "rank_state": rank_state})
         self._in_flight = self._writer.submit(

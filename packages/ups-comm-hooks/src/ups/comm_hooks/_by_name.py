@@ -12,7 +12,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ups.core import ConfigError, RunContext, did_you_mean, one_of, structure
+from ups.core import RunContext, structure
+from ups.core.arguments import check_type, choice
 
 from .plugin import ups_comm_hooks
 
@@ -26,10 +27,10 @@ def register_hook(
 ) -> Any:
     """Register the communication hook ``name`` on ``ddp``; return its state.
 
-    The state counts the bytes the hook hands to collectives (``comm_metrics(steps)``); that of
-    a hook with memory across steps (``powersgd``, ``batched_powersgd``, ``topk``) has
+    The state counts the bytes the hook hands to collectives (``comm_metrics(steps)``) and has
     ``state_dict()`` and ``load_state_dict(state)``, each rank's own, to checkpoint with the
-    model so that a resumed run goes on bitwise.
+    model so that a resumed run goes on bitwise: what a hook with memory across steps
+    (``powersgd``, ``batched_powersgd``, ``topk``) keeps, ``{}`` for the others.
 
     :param ddp: the model, wrapped in ``DistributedDataParallel`` (before its first step).
     :param name: ``allreduce``, ``bf16``, ``fp16``, ``powersgd``, ``batched_powersgd``, ``topk``.
@@ -37,19 +38,13 @@ def register_hook(
     :param options: the hook's options, as a mapping (``{"matrix_approximation_rank": 2}``)
         or an instance of its options class; ``None``: the defaults.
     :raises ConfigError: naming the argument: an unknown ``name`` (with the closest one), an
-        unknown option or one of the wrong type.
+        unknown option or one of the wrong type; for an argument of the wrong type, an
+        :class:`~ups.core.arguments.ArgumentTypeError` (a ``TypeError`` too).
     """
     records = {record.name: record for record in ups_comm_hooks()}
-    if name not in records:
-        raise ConfigError(
-            "name",
-            f"unknown comm hook {name!r}; allowed: {one_of(records)}{did_you_mean(name, records)}",
-        )
-    record = records[name].loaded()
+    record = records[choice("name", name, sorted(records))].loaded()
+    check_type("ctx", ctx, RunContext, "a RunContext (from ups.core.distributed_session)")
     if not isinstance(options, record.options):
         options = structure(record.options, options, "options")
-    if not isinstance(ddp, DistributedDataParallel):
-        raise ConfigError(
-            "ddp", f"expected a DistributedDataParallel model, got a {type(ddp).__name__}"
-        )
+    check_type("ddp", ddp, DistributedDataParallel, "a DistributedDataParallel model")
     return record.factory(ddp, ctx=ctx, options=options)

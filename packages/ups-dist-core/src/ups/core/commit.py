@@ -31,6 +31,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from .arguments import check_type
 from .checkpoint_errors import CheckpointError, agree, disk_full, on_main
 from .context import RunContext
 from .manifest import Manifest, read_committed
@@ -65,6 +66,21 @@ def _tensor_bytes(obj: object) -> int:
     if isinstance(obj, list | tuple):
         return sum(map(_tensor_bytes, obj))
     return 0
+
+
+def saved_rank_state(
+    state: Mapping[str, Any], rank_state: Mapping[str, Any] | None
+) -> Mapping[str, Any]:
+    """The rank state a ``save`` writes, its arguments checked on this rank before any
+    collective (a wrong type is a mistake every rank makes alike): ``None`` is an empty one.
+
+    :raises ArgumentTypeError: naming ``state`` or ``rank_state``, when not a mapping.
+    """
+    check_type("state", state, Mapping, "a mapping (such as a dict of state dicts)")
+    if rank_state is None:
+        return {}
+    check_type("rank_state", rank_state, Mapping, "a mapping or None")
+    return rank_state
 
 
 def rank_file(rank: int) -> str:
@@ -120,14 +136,24 @@ class Committing(abc.ABC, Generic[L]):
 
     # -- the Checkpointer protocol ------------------------------------------------------------
 
-    def save(self, state: Mapping[str, Any], *, step: int, rank_state: Mapping[str, Any]) -> str:
-        """Save rank 0's ``state`` and every rank's ``rank_state`` as checkpoint ``step``.
+    def save(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int,
+        rank_state: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Save rank 0's ``state`` and every rank's ``rank_state`` (``None``: none, loaded
+        back as ``{}``) as checkpoint ``step``.
 
         A collective: every rank calls it. Returns where it was committed, on every rank.
 
+        :raises ArgumentTypeError: (a ``TypeError``) on this rank, before any collective, for a
+            ``state`` or ``rank_state`` that is not a mapping.
         :raises CheckpointError: on every rank, naming the ranks that failed and why.
         :raises UnsafeCheckpointError: when a state holds what loading would refuse.
         """
+        rank_state = saved_rank_state(state, rank_state)
         what = f"saving checkpoint step {step}{self._place}"
         agree_safe(self.ctx, what, step=step, state=state, rank_state=rank_state, group=self.group)
         staged = self._on_main(what, lambda: self._begin(step))

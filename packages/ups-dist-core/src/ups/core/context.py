@@ -13,6 +13,7 @@ import datetime
 import gc
 import os
 import re
+import typing
 from collections.abc import Iterator, Mapping
 from typing import Literal
 
@@ -20,7 +21,10 @@ import attrs
 import structlog
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
 
+from .arguments import check_type, choice, number
 from .errors import UsageError
 
 log = structlog.get_logger()
@@ -183,13 +187,28 @@ def distributed_session(
 ) -> Iterator[RunContext]:
     """Initialise the process group this process's environment describes; yield its context.
 
-        ``enabled``: ``"auto"`` uses a process group when the world has more than one process and
-        falls back to a single process, with a warning, when initialisation fails (unless the launcher restarted the job); ``True`` always
-        uses one and fails with a :class:`UsageError` when it cannot; ``False`` never does (and
-        refuses to run as one of several ranks). ``timeout_s`` bounds every collective (with the
-    grace of :func:`collective_timeout`).
-        The process group is destroyed on exit, whatever happened inside.
+    ``enabled``: ``"auto"`` uses a process group when the world has more than one process and
+    falls back to a single process, with a warning, when initialisation fails (unless the
+    launcher restarted the job); ``True`` always uses one and fails with a :class:`UsageError`
+    when it cannot; ``False`` never does (and refuses to run as one of several ranks).
+    ``backend``: ``"auto"`` (nccl where this rank has a GPU, else gloo), ``"gloo"`` or
+    ``"nccl"``. ``timeout_s`` (> 0) bounds every collective (with the grace of
+    :func:`collective_timeout`). ``env``: the environment to read (``None``: this process's).
+    The process group is destroyed on exit, whatever happened inside.
+
+    Restarted by torchrun, the ranks meet again under a store prefix of their attempt's own
+    (``TORCHELASTIC_RESTART_COUNT``) where torchrun's agent keeps the store across restarts, as
+    with ``--master-port`` (see :func:`_init`).
+
+    :raises ConfigError: naming the argument that is of the wrong type (an
+        :class:`~ups.core.arguments.ArgumentTypeError`, a ``TypeError`` too) or value (an
+        :class:`~ups.core.arguments.ArgumentValueError`, a ``ValueError`` too).
     """
+    choice("enabled", enabled, (True, False, "auto"))
+    choice("backend", backend, typing.get_args(Backend))
+    timeout_s = number("timeout_s", timeout_s, above=0)
+    if env is not None:
+        check_type("env", env, Mapping, "a mapping of environment variables, or None")
     env = os.environ if env is None else env
     place = read_placement(env)
     if enabled is False:
@@ -256,14 +275,26 @@ def _single(place: Placement) -> RunContext:
 
 
 def _init(place: Placement, backend: str, timeout_s: float) -> None:
+    """Join the process group at ``MASTER_ADDR:MASTER_PORT``, under a store prefix of this
+    attempt's own (``ups/attempt-<restart count>``).
+
+    Where torchrun's agent hosts that store (``TORCHELASTIC_USE_AGENT_STORE``), it keeps it
+    across restarts: with ``--master-port`` (a static rendezvous), or c10d's without
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. Without the prefix, a restarted attempt's ranks
+    would read the addresses the failed attempt's left there and fail to connect to them
+    (``Gloo connectFullMesh failed ... Connection refused``), or wait for ever.
+    """
     if place.master_addr is None or place.master_port is None:
         raise UsageError(
             f"rank {place.rank}: MASTER_ADDR and MASTER_PORT are needed to join a process group"
         )
+    timeout = datetime.timedelta(seconds=collective_timeout(timeout_s))
+    url = f"tcp://{place.master_addr}:{place.master_port}"
+    store, _, _ = next(rendezvous(url, place.rank, place.world_size, timeout=timeout))
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{place.master_addr}:{place.master_port}",
+        store=PrefixStore(f"ups/attempt-{place.restart_count}", store),
         rank=place.rank,
         world_size=place.world_size,
-        timeout=datetime.timedelta(seconds=collective_timeout(timeout_s)),
+        timeout=timeout,
     )

@@ -29,8 +29,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from .arguments import check_type, wrong_type, wrong_value
 from .context import RunContext
-from .errors import ConfigError
 
 log = structlog.get_logger()
 
@@ -41,6 +41,29 @@ CHECK_EVERY_S = 0.1
 """About how many seconds of training pass between two checks for a signal."""
 MOST_STEPS = 1000
 """The most steps between two checks."""
+UNCATCHABLE = frozenset(
+    getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name)
+)
+"""The signals no handler can be installed for."""
+
+
+CATCHABLE = "signals a handler can catch, such as signal.SIGTERM, signal.SIGUSR1"
+
+
+def caught_signals(signals: object) -> tuple[signal.Signals, ...]:
+    """``signals`` as a tuple, each a :class:`signal.Signals` that a handler can catch.
+
+    :raises ArgumentTypeError: naming ``signals``, for what is not an iterable of signals.
+    :raises ArgumentValueError: naming ``signals``, for ``SIGKILL`` or ``SIGSTOP``.
+    """
+    if isinstance(signals, signal.Signals) or not isinstance(signals, Iterable):
+        raise wrong_type("signals", signals, f"an iterable of {CATCHABLE}")
+    found = tuple(signals)
+    for sig in found:
+        check_type("signals", sig, signal.Signals, CATCHABLE)
+        if sig in UNCATCHABLE:
+            raise wrong_value("signals", sig, CATCHABLE)
+    return found
 
 
 class Preemption:
@@ -49,7 +72,10 @@ class Preemption:
     In a loop of one's own: every rank calls :meth:`agreed` once per step, and all save and
     stop at the step it says ``True``.
 
-    :raises ConfigError: when one of ``signals`` is not a :class:`signal.Signals`.
+    :raises ConfigError: naming the argument: a ``ctx`` that is not a :class:`RunContext`,
+        ``signals`` that are not :class:`signal.Signals` (an
+        :class:`~ups.core.arguments.ArgumentTypeError`, a ``TypeError`` too) or that no
+        handler can catch (``SIGKILL``, ``SIGSTOP``: a ``ValueError`` too).
     """
 
     def __init__(
@@ -57,14 +83,9 @@ class Preemption:
         ctx: RunContext,
         signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGUSR1),
     ) -> None:
+        check_type("ctx", ctx, RunContext, "a RunContext (from ups.core.distributed_session)")
         self.ctx = ctx
-        self.signals = tuple(signals)
-        for sig in self.signals:
-            if not isinstance(sig, signal.Signals):
-                raise ConfigError(
-                    "signals",
-                    f"{sig!r} is not a signal; allowed: signal.SIGTERM, signal.SIGUSR1, ...",
-                )
+        self.signals = caught_signals(signals)
         self.received: signal.Signals | None = None
         """The signal this rank got, if any."""
         self.stopped = False

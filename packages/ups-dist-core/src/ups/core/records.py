@@ -146,9 +146,15 @@ class Loaded:
 class Checkpointer(Protocol):
     """Saves and loads training state. Every method is a collective: every rank calls it."""
 
-    def save(self, state: Mapping[str, Any], *, step: int, rank_state: Mapping[str, Any]) -> str:
+    def save(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int,
+        rank_state: Mapping[str, Any] | None = None,
+    ) -> str:
         """Save ``state`` (replicated: rank 0's is kept) and each rank's own ``rank_state``
-        as checkpoint ``step``; return where it goes, the same on every rank.
+        (``None``: none) as checkpoint ``step``; return where it goes, the same on every rank.
 
         A backend that writes in the background returns once the state is staged (copied),
         before it is committed; its failure is raised by the next ``save`` or ``wait``.

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ups.core.arguments import boolean, integer
+
 INT32_MAX = torch.iinfo(torch.int32).max
 
 Lookup = Callable[[slice], torch.Tensor]
@@ -49,6 +51,9 @@ class Rest:
     places: Places
     size: int
 
+
+SIZED = "a dataset with a length (only len(dataset) is used)"
+"""What a sampler's ``dataset`` must be, as its error says."""
 
 Segment = tuple[int, int, int]
 """``(world size, samples each rank has taken, block)``: a stretch of an epoch on one world
@@ -74,18 +79,17 @@ def positions(start: int, stop: int, step: int, dtype: torch.dtype) -> torch.Ten
 
 
 def world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """The world size and rank, from the default process group where not given; checked."""
+    """The world size and rank, from the default process group where not given; checked.
+
+    :raises ArgumentTypeError: (a ``TypeError``) naming a world size or rank not an int.
+    :raises ArgumentValueError: (a ``ValueError``) naming one out of range.
+    """
     if num_replicas is None:
         num_replicas = dist.get_world_size()
     if rank is None:
         rank = dist.get_rank()
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
-    if not 0 <= rank < num_replicas:
-        raise ValueError(
-            f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
-        )
-    return num_replicas, rank
+    size = integer("num_replicas", num_replicas, low=1)
+    return size, integer("rank", rank, low=0, high=size - 1)
 
 
 class EpochSampler(Sampler[int]):
@@ -108,11 +112,9 @@ class EpochSampler(Sampler[int]):
         chunk_size: int,
     ) -> None:
         self.num_replicas, self.rank = world(num_replicas, rank)
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-        self.seed = seed
-        self.drop_last = drop_last
-        self.chunk_size = chunk_size
+        self.seed = integer("seed", seed)
+        self.drop_last = boolean("drop_last", drop_last)
+        self.chunk_size = integer("chunk_size", chunk_size, low=1)
         self.epoch = 0
         self._pending: list[Segment] | None = None
         self._active: tuple[list[Segment], int, int, Rest] | None = None

@@ -9,8 +9,9 @@ import attrs
 import torch
 
 from ups.core import RunContext
+from ups.core.arguments import boolean, check_type
 
-from ._epoch import EpochSampler, index_dtype, seeded
+from ._epoch import SIZED, EpochSampler, index_dtype, seeded
 
 
 class ExactDistributedSampler(EpochSampler):
@@ -22,6 +23,8 @@ class ExactDistributedSampler(EpochSampler):
 
     :param dataset: anything with a length; only ``len(dataset)`` is used.
     :param shuffle: a new order every epoch (seeded by ``seed`` and the epoch).
+    :raises TypeError: naming an argument of the wrong type (an int where a bool is due, ...).
+    :raises ValueError: naming the value: a rank out of range, fewer than one replica.
     """
 
     pad = False
@@ -36,9 +39,10 @@ class ExactDistributedSampler(EpochSampler):
         *,
         chunk_size: int = 8192,
     ) -> None:
+        check_type("dataset", dataset, Sized, SIZED)
         super().__init__(num_replicas, rank, seed=seed, drop_last=False, chunk_size=chunk_size)
         self.dataset = dataset
-        self.shuffle = shuffle
+        self.shuffle = boolean("shuffle", shuffle)
 
     def _pool(self, epoch: int, num_replicas: int, block: int = 1) -> torch.Tensor:
         size = len(self.dataset)

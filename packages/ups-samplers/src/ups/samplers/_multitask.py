@@ -40,6 +40,16 @@ import torch
 from torch.utils.data import ConcatDataset
 
 from ups.core import ConfigError, RunContext
+from ups.core.arguments import (
+    ArgumentValueError,
+    boolean,
+    check_type,
+    choice,
+    integer,
+    number,
+    wrong_type,
+    wrong_value,
+)
 
 from ._epoch import (
     EpochSampler,
@@ -66,11 +76,29 @@ CHUNK = 1 << 16
 """Positions drawn at a time."""
 
 
+TASKS = "a ConcatDataset (one dataset a task) or a sequence of the tasks' sizes"
+EPOCH_SIZES = "'sum', 'max' or an int >= 1"
+
+
 def task_sizes(tasks: Sequence[int] | ConcatDataset[Any]) -> list[int]:
-    """The tasks' sizes: given, or those of a ``ConcatDataset``'s parts (one per task)."""
+    """The tasks' sizes: given, or those of a ``ConcatDataset``'s parts (one per task).
+
+    :raises TypeError: naming ``tasks``, for neither.
+    :raises ValueError: naming ``tasks``, for no task or a task of size < 1.
+    """
     if isinstance(tasks, ConcatDataset):
-        return [len(part) for part in tasks.datasets]  # type: ignore[arg-type]
-    return [int(size) for size in tasks]
+        sizes = [len(part) for part in tasks.datasets]  # type: ignore[arg-type]
+    else:
+        check_type("tasks", tasks, Sequence, TASKS)
+        sizes = [integer(f"tasks[{t}]", size) for t, size in enumerate(tasks)]
+    if not sizes:
+        raise ArgumentValueError("tasks", "none given; give at least one task")
+    for t, size in enumerate(sizes):
+        if size < 1:
+            raise ArgumentValueError(
+                "tasks", f"task {t} has size {size}; every task needs a sample"
+            )
+    return sizes
 
 
 def check_mixing(
@@ -78,24 +106,26 @@ def check_mixing(
 ) -> None:
     """Check the mixing options on their own (the task sizes aside).
 
+    :raises TypeError: naming the option of the wrong type, and what is allowed.
     :raises ValueError: naming the bad option and value, and what is allowed.
     """
-    if mixing not in MIXINGS:
-        raise ValueError(f"mixing: {mixing!r} is not one of {', '.join(MIXINGS)}")
-    if (weights is not None) != (mixing == "weights"):
-        raise ValueError("weights: give them with mixing 'weights', and only then")
-    if not temperature > 0 or math.isinf(temperature):
-        raise ValueError(f"temperature: {temperature!r} is not allowed; it must be > 0")
+    choice("mixing", mixing, MIXINGS)
+    number("temperature", temperature, above=0)
     if weights is not None:
-        bad = [w for w in weights if not (math.isfinite(w) and w >= 0)]
-        if bad:
-            raise ValueError(f"weights: {bad[0]!r} is not allowed; weights are finite and >= 0")
+        check_type("weights", weights, Sequence, "a sequence of numbers, one a task, or None")
+        for t, weight in enumerate(weights):
+            number(f"weights[{t}]", weight, at_least=0)
         if not sum(weights) > 0:
-            raise ValueError(f"weights: {list(weights)} add up to 0; at least one must be > 0")
-    if epoch_size not in ("sum", "max") and (
-        isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1
-    ):
-        raise ValueError(f"epoch_size: {epoch_size!r} is not allowed; 'sum', 'max' or an int >= 1")
+            raise ArgumentValueError(
+                "weights", f"{list(weights)} add up to 0; at least one must be > 0"
+            )
+    if (weights is not None) != (mixing == "weights"):
+        raise ArgumentValueError("weights", "give them with mixing 'weights', and only then")
+    if not (isinstance(epoch_size, str) and epoch_size in ("sum", "max")):
+        if isinstance(epoch_size, bool) or not isinstance(epoch_size, int | str):
+            raise wrong_type("epoch_size", epoch_size, EPOCH_SIZES)
+        if isinstance(epoch_size, str) or epoch_size < 1:
+            raise wrong_value("epoch_size", epoch_size, EPOCH_SIZES)
 
 
 def mixture(
@@ -171,6 +201,8 @@ class MultiTaskDistributedSampler(EpochSampler):
     :param drop_last: round the epoch down to a multiple of the ranks, not up (not with
         ``epoch_size="max"``).
     :param batch_size: the samples each rank takes per batch (the block it is dealt in).
+    :raises TypeError: naming an argument of the wrong type (``temperature="hot"``, a
+        ``TensorDataset`` for ``tasks``, ``seed="0"``, ``shuffle="no"``), and what is allowed.
     :raises ValueError: naming the bad value: no tasks, a task of size < 1, a bad mixing,
         temperature, weight, epoch size or batch size, a rank out of range.
     """
@@ -193,11 +225,6 @@ class MultiTaskDistributedSampler(EpochSampler):
     ) -> None:
         super().__init__(num_replicas, rank, seed=seed, drop_last=drop_last, chunk_size=chunk_size)
         self.sizes = task_sizes(tasks)
-        if not self.sizes:
-            raise ValueError("tasks: none given; give at least one task")
-        for t, size in enumerate(self.sizes):
-            if size < 1:
-                raise ValueError(f"tasks: task {t} has size {size}; every task needs a sample")
         self.mixing = mixing
         self.shares = mixture(self.sizes, mixing, temperature=temperature, weights=weights)
         self.temperature = temperature
@@ -210,7 +237,7 @@ class MultiTaskDistributedSampler(EpochSampler):
                 if p > 0
             ):
                 self.length += 1
-        self.shuffle = shuffle
+        self.shuffle = boolean("shuffle", shuffle)
         self.batch_size = 1
         self.set_batch_size(batch_size)
         ends = torch.tensor(self.sizes, dtype=torch.int64).cumsum(0)
@@ -231,11 +258,10 @@ class MultiTaskDistributedSampler(EpochSampler):
         """Deal the stream in blocks of ``batch_size`` samples per rank from the next
         iteration on (the batch each rank's loader takes; ups's engine sets it).
 
+        :raises TypeError: for a batch size not an int.
         :raises ValueError: for a batch size below 1.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size: {batch_size!r} is not allowed; an int >= 1")
-        self.batch_size = batch_size
+        self.batch_size = integer("batch_size", batch_size, low=1)
 
     def _block(self) -> int:
         return self.batch_size

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 from collections.abc import Sized
 from typing import Any, Literal
 
@@ -24,8 +25,9 @@ import attrs
 import torch
 
 from ups.core import RunContext
+from ups.core.arguments import boolean, check_type, choice
 
-from ._epoch import EpochSampler, Lookup, index_dtype, positions
+from ._epoch import SIZED, EpochSampler, Lookup, index_dtype, positions
 from ._permute import shuffled
 
 Permutation = Literal["torch", "keyed"]
@@ -62,7 +64,8 @@ class TensorDistributedSampler(EpochSampler):
     :param rank: this rank, ``0 <= rank < num_replicas``; default: the default group's rank.
     :param chunk_size: how many indices iteration converts to Python ints at a time.
     :param permutation: ``torch`` (torch's order) or ``keyed`` (drawn per rank, O(N / W)).
-    :raises ValueError: for a rank out of range, fewer than one replica, another
+    :raises TypeError: naming an argument of the wrong type (``shuffle="no"``, ``seed="0"``).
+    :raises ValueError: naming the value: a rank out of range, fewer than one replica, another
         permutation.
     """
 
@@ -78,12 +81,11 @@ class TensorDistributedSampler(EpochSampler):
         chunk_size: int = 8192,
         permutation: Permutation = "torch",
     ) -> None:
+        check_type("dataset", dataset, Sized, SIZED)
         super().__init__(num_replicas, rank, seed=seed, drop_last=drop_last, chunk_size=chunk_size)
-        if permutation not in ("torch", "keyed"):
-            raise ValueError(f"permutation: {permutation!r} is not one of torch, keyed")
         self.dataset = dataset
-        self.shuffle = shuffle
-        self.permutation = permutation
+        self.shuffle = boolean("shuffle", shuffle)
+        self.permutation = choice("permutation", permutation, typing.get_args(Permutation))
         size = len(dataset)
         if drop_last and size % self.num_replicas != 0:
             # The largest multiple of num_replicas not above the dataset's size (as torch).
