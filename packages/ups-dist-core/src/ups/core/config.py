@@ -22,7 +22,7 @@ import yaml
 from .errors import ConfigError, UsageError
 from .imports import resolve_spec
 from .schedule import Rule
-from .structure import above, at_least, structure
+from .structure import above, at_least, at_most, structure
 
 F = TypeVar("F", bound="FactoryConfig")
 T = TypeVar("T")
@@ -117,7 +117,8 @@ class StepConfig:
     the default, the built-in step, takes ``training.loss`` and ``metrics.factory``."""
     options: dict[str, Any] = attrs.field(factory=dict)
     """Keyword arguments of ``factory``; for the built-in step: ``inputs``, ``target``,
-    ``task`` (indices or keys of the batch: ``{inputs: [u0, params], target: u_t}``)."""
+    ``task`` (indices or keys of the batch, or lists of them, paths into nested batches:
+    ``{inputs: [u0, params], target: [labels, y]}``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -217,16 +218,18 @@ class DistributedConfig:
     """``auto`` is nccl when every rank has a CUDA device, else gloo."""
     nproc: int = attrs.field(default=1, validator=at_least(1))
     """Processes to start on this machine (``ups train --nproc`` overrides it)."""
-    timeout_s: float = attrs.field(default=300.0, validator=above(0))
+    timeout_s: float = attrs.field(default=300.0, validator=[above(0), at_most(1e9)])
     """Seconds a rank may spend in one training step before the run stops, naming the ranks
-    that stopped answering (:mod:`ups.core.watchdog`); collectives time out a grace later."""
+    that stopped answering (:mod:`ups.core.watchdog`); collectives time out a grace later.
+    At most ``1e9`` (31 years: torch's clocks overflow past about ``1e13``)."""
     max_restarts: int = attrs.field(default=0, validator=at_least(0))
     """Times the elastic agent of ``ups train --nproc`` restarts every rank after one fails
     (``ups train --max-restarts``); a restarted run resumes from its newest checkpoint."""
     desync_check_every: int | None = attrs.field(default=None, validator=at_least(1))
     """Every this many optimizer steps, check that every rank holds the same parameters (one
     all-gather of a few numbers), naming a rank that diverged; ``null``: at the start only."""
-    bucket_cap_mb: float = attrs.field(default=25.0, validator=above(0))
+    bucket_cap_mb: float = attrs.field(default=25.0, validator=[above(0), at_most(1e12)])
+    """DDP's gradient bucket size; at most ``1e12`` (its bytes fit in 64 bits)."""
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False

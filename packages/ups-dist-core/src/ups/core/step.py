@@ -12,6 +12,9 @@ The built-in step is the default: ``(inputs, targets[, task_ids])`` tuples and a
     step:
       options: {inputs: [u0, params], target: u_t, task: task}
 
+A place is an index or a key, or a list of them: a path into nested batches
+(``target: [labels, y]`` is ``batch["labels"]["y"]``; ``inputs: {x: [inputs, field]}``).
+
 A model with its own loss subclasses :class:`Step` and overrides :meth:`Step.forward` and
 :meth:`Step.loss` (``step: {factory: model.py:MyStep}``).
 """
@@ -29,28 +32,61 @@ if TYPE_CHECKING:  # building a step (``ups validate``) imports no torch; runnin
     import torch
     from torch import nn
 
-Where = int | str | Callable[[Any], Any]
-"""Where something is in a batch: an index, a key or attribute name, or a function of it."""
+Key = int | str
+"""An index, or a key or attribute name."""
+Where = Key | list[Key] | tuple[Key, ...] | Callable[[Any], Any]
+"""Where something is in a batch: an index, a key or attribute name, a path of them into
+nested batches (``["labels", "y"]``: ``batch["labels"]["y"]``), or a function of the batch."""
 
 Criterion = Callable[[Any, Any], "torch.Tensor"]
 """``criterion(outputs, targets)``: an unreduced loss (one value per sample, or per element)."""
 
 
-def _unreduced(name: str) -> Criterion:
-    """The loss ``torch.nn.functional.<name>`` with ``reduction="none"``."""
+def _unreduced(loss: str, name: str) -> Criterion:
+    """The loss ``torch.nn.functional.<name>`` (``training.loss: <loss>``) with
+    ``reduction="none"``, of tensors only.
+
+    :raises StepError: naming what is not a tensor (the model's outputs or the target).
+    """
 
     def criterion(outputs: Any, targets: Any) -> torch.Tensor:
+        import torch
         from torch.nn import functional
 
+        if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+            raise _not_tensors(loss, outputs, targets)
         return getattr(functional, name)(outputs, targets, reduction="none")  # type: ignore[no-any-return]
 
     return criterion
 
 
+def _not_tensors(loss: str, outputs: Any, targets: Any) -> StepError:
+    """The error for a loss by name given ``outputs`` or ``targets`` that are not tensors."""
+    import torch
+
+    own = "or compute the loss in a Step of your own (override loss; step.factory)"
+    if not isinstance(outputs, torch.Tensor):
+        return StepError(
+            f"training.loss: {loss!r} takes tensors, and the model (model.factory) returned "
+            f"{_a(outputs)}; return a tensor from its forward, {own}"
+        )
+    return StepError(
+        f"training.loss: {loss!r} takes tensors, and the batch's target (step.target) is "
+        f"{_a(targets)}; point step.options.target at a tensor (a list of keys is a path into "
+        f"nested batches: [labels, y]), {own}"
+    )
+
+
+def _a(value: Any) -> str:
+    """``a list``, ``an Output``: what ``value`` is, for a message."""
+    name = type(value).__qualname__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 FUNCTIONS = {"mse": "mse_loss", "l1": "l1_loss", "cross_entropy": "cross_entropy"}
 """The losses ``training.loss`` names, and their functions in ``torch.nn.functional``."""
 
-CRITERIA: dict[str, Criterion] = {name: _unreduced(fn) for name, fn in FUNCTIONS.items()}
+CRITERIA: dict[str, Criterion] = {name: _unreduced(name, fn) for name, fn in FUNCTIONS.items()}
 """The losses ``training.loss`` names, unreduced."""
 
 MEANS = ("mse", "l1")
@@ -104,11 +140,13 @@ class Step:
     ``step.options`` in the config).
     """
 
-    inputs: Where | Sequence[int | str] | Mapping[str, int | str] = 0
+    inputs: Where | Sequence[Where] | Mapping[str, Where] = 0
     """Where the model's inputs are: one place (``model(x)``), a list of places (positional
-    arguments), or a mapping of keyword to place (``model(z0=batch["u0"], ...)``)."""
+    arguments: ``[[inputs, field]]`` is one, at a path), or a mapping of keyword to place
+    (``model(z0=batch["u0"], ...)``)."""
     target: Where = 1
-    """Where the target is, for :meth:`loss` and for the ``metrics`` section's function."""
+    """Where the target is, for :meth:`loss` and for the ``metrics`` section's function (a
+    list is a path into nested batches)."""
     task: Where | None = 2
     """Where each sample's task id is (for ``loss/<task>`` and per-task metrics); ``None``:
     no tasks. The default, index 2, is optional: a 2-tuple batch has no task ids."""
@@ -121,7 +159,7 @@ class Step:
     def __init__(
         self,
         *,
-        inputs: Where | Sequence[int | str] | Mapping[str, int | str] | None = None,
+        inputs: Where | Sequence[Where] | Mapping[str, Where] | None = None,
         target: Where | None = None,
         task: Any = _UNSET,
         criterion: str | Criterion | None = None,
@@ -134,7 +172,7 @@ class Step:
         if task is not _UNSET:
             self.task = task
         if criterion is not None:
-            if isinstance(criterion, str) and criterion not in CRITERIA:
+            if not (callable(criterion) or (isinstance(criterion, str) and criterion in CRITERIA)):
                 raise StepError(
                     f"step.criterion: {criterion!r} is not a loss; allowed: "
                     f"{', '.join(CRITERIA)}, or a function (outputs, targets) -> loss"
@@ -213,8 +251,14 @@ def _raw(step: Step, name: str) -> Any:
     raise AttributeError(f"{type(step).__name__} has no attribute {name!r}")
 
 
+_PATHS = (list, tuple)
+"""A path's types, as a tuple: ``isinstance`` takes it faster than ``list | tuple`` (made
+anew at each call), and :func:`pick` runs several times a step."""
+
+
 def pick(batch: Any, where: Where, key: str) -> Any:
-    """What ``where`` names in ``batch``: an index, a key, an attribute, or a function's result.
+    """What ``where`` names in ``batch``: an index, a key, an attribute, what a path of them
+    names in nested batches, or a function's result.
 
     :raises StepError: naming ``key`` and what the batch has instead.
     """
@@ -228,6 +272,10 @@ def pick(batch: Any, where: Where, key: str) -> Any:
                 return batch[where]
             raise StepError(f"{key}: index {where} is past the batch's {len(batch)} elements")
         raise StepError(f"{key}: index {where} of a {type(batch).__name__} batch; name a key")
+    if isinstance(where, _PATHS):
+        for depth, part in enumerate(where):
+            batch = pick(batch, part, f"{key}[{depth}]")
+        return batch
     if isinstance(batch, Mapping):
         if where in batch:
             return batch[where]
@@ -261,9 +309,14 @@ def build_step(config: Config) -> Step:
                 f"is for the built-in step's metrics; {config.step.factory} computes its "
                 "metrics in its own metrics(outputs, batch) (metrics.reduce still applies)",
             )
-        options["metric_fn"] = load_object(metrics, "metrics.factory")(
+        metric_fn = load_object(metrics, "metrics.factory")(
             **config.metrics.options  # type: ignore[union-attr]
         )
+        if not callable(metric_fn):
+            raise ConfigError(
+                "metrics.factory", f"returned {_a(metric_fn)}, not a function fn(outputs, targets)"
+            )
+        options["metric_fn"] = metric_fn
     try:
         step = factory(**options)
     except TypeError as error:
@@ -272,4 +325,59 @@ def build_step(config: Config) -> Step:
         raise ConfigError(
             "step.factory", f"returned {type(step).__name__}, not a ups.core.Step (subclass it)"
         )
+    check_places(step)
     return step
+
+
+_PATH = "a list of them is a path into nested batches ([inputs, field]: batch['inputs']['field'])"
+
+
+def check_places(step: Step) -> None:
+    """Check the places the built-in methods ``step`` keeps look things up at: ``inputs``
+    (for :meth:`Step.forward`), ``target`` (:meth:`Step.loss`, :meth:`Step.metrics`) and
+    ``task`` (:meth:`Step.task_ids`), each an index, a key, a path of them or a function.
+
+    :raises ConfigError: naming the option (``step.options.target``), or the class attribute,
+        and the part of it that is not a place.
+    """
+    cls = type(step)
+    if cls.forward is Step.forward:
+        where, key = _raw(step, "inputs"), _option(step, "inputs")
+        if isinstance(where, Mapping):
+            for name, place in where.items():
+                if not isinstance(name, str):
+                    raise ConfigError(key, f"the keyword {name!r} is not a string")
+                _check_place(place, f"{key}.{name}")
+        elif isinstance(where, list | tuple):  # positional arguments
+            for i, place in enumerate(where):
+                _check_place(place, f"{key}[{i}]")
+        else:
+            _check_place(where, key)
+    if cls.loss is Step.loss or cls.metrics is Step.metrics:
+        _check_place(_raw(step, "target"), _option(step, "target"))
+    if cls.task_ids is Step.task_ids and _raw(step, "task") is not None:
+        _check_place(_raw(step, "task"), _option(step, "task"))
+
+
+def _check_place(where: Any, key: str) -> None:
+    if callable(where) or _is_key(where):
+        return
+    if isinstance(where, list | tuple) and where:
+        for depth, part in enumerate(where):
+            if not _is_key(part):
+                raise ConfigError(
+                    f"{key}[{depth}]", f"{part!r} is not an index or a key, and {_PATH}"
+                )
+        return
+    raise ConfigError(key, f"{where!r} is not a place in the batch: an index or a key; {_PATH}")
+
+
+def _is_key(part: Any) -> bool:
+    return isinstance(part, int | str) and not isinstance(part, bool)
+
+
+def _option(step: Step, name: str) -> str:
+    """The config key that set ``step``'s attribute ``name``: its option, or its class's."""
+    if name in vars(step):
+        return f"step.options.{name}"
+    return f"step.factory ({type(step).__qualname__}.{name})"

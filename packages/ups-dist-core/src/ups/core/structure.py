@@ -3,10 +3,15 @@
 Supported field types: ``bool``, ``int``, ``float``, ``str``, ``None``, ``Literal[...]``, unions
 of those, ``tuple[T, ...]``, ``dict[str, Any]`` and nested attrs classes. Field validators run
 before the instance is built, so their complaint is reported at the field's key path.
+
+Numbers are those the code consuming them can take, whatever the field: an ``int`` fits in 64
+bits (:data:`INT_BOUND`) and a ``float`` is finite (no ``.nan``, ``.inf``). Values of ``Any``
+(a factory's ``options``) are passed on as they are.
 """
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -17,6 +22,10 @@ import attrs
 from .errors import ConfigError, did_you_mean, one_of
 
 T = TypeVar("T")
+
+INT_BOUND = 2**63
+"""An ``int`` field's value is in ``[-INT_BOUND, INT_BOUND)``: a C ``int64``, what ``torch``,
+``itertools`` and ``numpy`` take."""
 
 
 @attrs.frozen(repr=False)
@@ -45,6 +54,20 @@ class above:  # noqa: N801
 
     def __repr__(self) -> str:
         return f"above({self.bound})"
+
+
+@attrs.frozen(repr=False)
+class at_most:  # noqa: N801
+    """Validator: the value is ``<= bound`` (or ``None``)."""
+
+    bound: float
+
+    def __call__(self, _inst: object, _attr: attrs.Attribute[Any], value: float | None) -> None:
+        if value is not None and value > self.bound:
+            raise ValueError(f"must be <= {self.bound:g}")
+
+    def __repr__(self) -> str:
+        return f"at_most({self.bound})"
 
 
 def structure(cls: type[T], data: object, path: str = "") -> T:
@@ -104,6 +127,8 @@ def _convert(tp: Any, value: object, key: str) -> Any:
         for option in options:
             try:
                 return _convert(option, value, key)
+            except _OutOfRangeError:
+                raise
             except ConfigError:
                 continue
         raise ConfigError(key, f"{_show(value)} is not {_describe(tp)}")
@@ -117,15 +142,39 @@ def _convert(tp: Any, value: object, key: str) -> Any:
             raise ConfigError(key, f"expected a mapping with string keys, got {_show(value)}")
         (_key_type, value_type) = typing.get_args(tp)
         return {k: _convert(value_type, v, _join(key, k)) for k, v in value.items()}
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if (tp is int and type(value) is int) or (tp is float and type(value) in (int, float)):
+        return _number(tp, value, key)  # type: ignore[arg-type]
     if tp is type(None) and value is None:
         return None
-    if tp in (bool, int, float, str) and type(value) is tp:
+    if tp in (bool, str) and type(value) is tp:
         return value
     if tp is Any:
         return value
     raise ConfigError(key, f"expected {_describe(tp)}, got {_show(value)}")
+
+
+class _OutOfRangeError(ConfigError):
+    """A number of the field's type that no consumer takes (not tried against other types)."""
+
+
+def _number(tp: type[int] | type[float], value: float, key: str) -> float:
+    """``value`` as ``tp`` (an int is a float too), if its consumers take it.
+
+    :raises _OutOfRangeError: for an int beyond 64 bits, or a float that is not finite.
+    """
+    if tp is int:
+        if -INT_BOUND <= value < INT_BOUND:
+            return value
+        bound = f"<= {INT_BOUND - 1}" if value > 0 else f">= {-INT_BOUND}"
+        raise _OutOfRangeError(key, f"{value} is not allowed: must be {bound} (64 bits)")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        number = math.inf
+    if math.isfinite(number):
+        return number
+    shown = {"nan": ".nan", "inf": ".inf", "-inf": "-.inf"}.get(str(value), str(value))
+    raise _OutOfRangeError(key, f"{shown} is not allowed: must be a finite number")
 
 
 def _describe(tp: Any) -> str:

@@ -121,6 +121,7 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
             f"'nccl' needs a CUDA device per process; this machine has {devices} "
             f"for {nproc} processes; allowed here: auto, gloo",
         )
+    check_sync_batchnorm(config, nproc)
     if config.eval is None or config.eval.every_steps is None:
         for i, rule in enumerate(config.schedule):
             if rule.when.val_loss_below is not None:
@@ -173,6 +174,33 @@ def check_name(name: str, key: str) -> None:
     from .optim import OPTIMIZERS, SCHEDULERS, resolve
 
     resolve(name, OPTIMIZERS if key == "training.optimizer" else SCHEDULERS, key)
+
+
+def check_sync_batchnorm(config: Config, nproc: int) -> None:
+    """Refuse ``distributed.sync_batchnorm`` where a rank would compute on the CPU, whose
+    DDP refuses SyncBatchNorm layers: with ``gloo`` chosen, or fewer CUDA devices than the
+    ``nproc`` processes of this machine (``auto`` gives those beyond them the CPU). One
+    process without a process group (``distributed.enabled`` not ``true``) converts nothing,
+    so nothing is refused.
+
+    :raises ConfigError: naming ``distributed.sync_batchnorm``, and what is allowed here.
+    """
+    d = config.distributed
+    if not d.sync_batchnorm or d.enabled is False or (nproc == 1 and d.enabled is not True):
+        return
+    devices = 0 if d.backend == "gloo" else _cuda_devices()
+    if devices < nproc:
+        where = (
+            "distributed.backend 'gloo' puts every rank"
+            if d.backend == "gloo"
+            else f"this machine has {devices} CUDA devices for {nproc} processes, which puts ranks"
+        )
+        raise ConfigError(
+            "distributed.sync_batchnorm",
+            f"SyncBatchNorm runs on CUDA only (DDP refuses it on the CPU), and {where} on the "
+            "CPU; allowed here: false (GroupNorm or LayerNorm normalise alike on any number "
+            "of ranks)",
+        )
 
 
 def _cuda_devices() -> int:
