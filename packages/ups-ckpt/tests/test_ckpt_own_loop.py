@@ -57,3 +57,17 @@ def test_bad_arguments_are_refused_naming_them(tmp_path: Path) -> None:
         checkpointer(tmp_path, ctx=ctx, keep_lats=2)
     with pytest.raises(ConfigError, match=r"^sharded: is for a folder"):
         checkpointer("s3://bucket/run", ctx=ctx, sharded=True)
+
+
+def test_the_folder_is_made_when_the_checkpointer_is_and_one_that_cannot_be_is_named(
+    tmp_path: Path,
+) -> None:
+    ctx = RunContext()
+    folder = tmp_path / "runs" / "new"
+    checkpoints = checkpointer(folder, ctx=ctx)
+    assert folder.is_dir()  # before any save: a loop may write beside its checkpoints
+    assert checkpoints.load_latest() is None
+    under_a_file = tmp_path / "a-file" / "run"
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match=r"^location: cannot make the folder .*a-file/run: "):
+        checkpointer(under_a_file, ctx=ctx)

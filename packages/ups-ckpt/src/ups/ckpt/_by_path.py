@@ -56,6 +56,10 @@ def checkpointer(
                 "location",
                 f"{text} is a file; give a folder (made when missing) or a URL (s3://...)",
             )
+        try:
+            directory.mkdir(parents=True, exist_ok=True)  # now: a folder that cannot be, named
+        except OSError as error:
+            raise ConfigError("location", f"cannot make the folder {text}: {error}") from error
         record = backends["sharded" if sharded else "local"]
     record = record.loaded()
     built: Any = structure(record.options, options)
