@@ -1,5 +1,6 @@
-"""What a distribution may import from another: the names of its ``__all__``, never a module
-beneath it; and no production module imports the test helpers of ``ups.core.testing``."""
+"""What a distribution may import from another: the names of its ``__all__``, or of the
+``__all__`` of one of its public modules (:data:`PUBLIC_MODULES`), never another module beneath
+it; and no production module imports the test helpers of ``ups.core.testing``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
+PUBLIC_MODULES = {"ups.core.arguments": "packages/ups-dist-core/src/ups/core/arguments.py"}
+"""Modules beneath a distribution's package that others may import, by their ``__all__``:
+``ups.core.arguments``, the checks of a Python API's arguments."""
 
 
 def packages() -> dict[str, Path]:
@@ -19,7 +23,12 @@ def packages() -> dict[str, Path]:
 
 def public_names(folder: Path) -> set[str]:
     """The names of the package's ``__all__``, read without importing it."""
-    for node in ast.parse((folder / "__init__.py").read_text()).body:
+    return all_of(folder / "__init__.py")
+
+
+def all_of(module: Path) -> set[str]:
+    """The names of a module's ``__all__``, read without importing it."""
+    for node in ast.parse(module.read_text()).body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
         ):
@@ -57,6 +66,11 @@ def violations() -> list[str]:
                     (t for t in tops if t != package and (module + ".").startswith(t + ".")), None
                 )
                 if other is None:
+                    continue
+                if module in PUBLIC_MODULES:
+                    hidden = set(names) - all_of(ROOT / PUBLIC_MODULES[module])
+                    if hidden:
+                        found.append(f"{where}: imports {sorted(hidden)} not in {module}.__all__")
                     continue
                 if module != other:
                     found.append(f"{where}: imports {module}, a module beneath {other}")

@@ -14,10 +14,25 @@ import enum
 import math
 import numbers
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from .errors import ConfigError, did_you_mean
+
+__all__ = [
+    "ArgumentTypeError",
+    "ArgumentValueError",
+    "boolean",
+    "check_type",
+    "choice",
+    "integer",
+    "number",
+    "saved_rank_state",
+    "shown",
+    "wrong_type",
+    "wrong_value",
+]
+"""A public module: other distributions and plugins check their own APIs' arguments with it."""
 
 T = TypeVar("T")
 
@@ -136,3 +151,18 @@ def choice(name: str, value: object, choices: Sequence[T]) -> T:
     if isinstance(value, str):
         problem += did_you_mean(value, [c for c in choices if isinstance(c, str)])
     raise ArgumentValueError(name, problem)
+
+
+def saved_rank_state(
+    state: Mapping[str, Any], rank_state: Mapping[str, Any] | None
+) -> Mapping[str, Any]:
+    """The rank state a ``save`` writes, its arguments checked on this rank before any
+    collective (a wrong type is a mistake every rank makes alike): ``None`` is an empty one.
+
+    :raises ArgumentTypeError: naming ``state`` or ``rank_state``, when not a mapping.
+    """
+    check_type("state", state, Mapping, "a mapping (such as a dict of state dicts)")
+    if rank_state is None:
+        return {}
+    check_type("rank_state", rank_state, Mapping, "a mapping or None")
+    return rank_state

@@ -31,7 +31,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from .arguments import check_type
+from .arguments import saved_rank_state
 from .checkpoint_errors import CheckpointError, agree, disk_full, on_main
 from .context import RunContext
 from .manifest import Manifest, read_committed
@@ -66,21 +66,6 @@ def _tensor_bytes(obj: object) -> int:
     if isinstance(obj, list | tuple):
         return sum(map(_tensor_bytes, obj))
     return 0
-
-
-def saved_rank_state(
-    state: Mapping[str, Any], rank_state: Mapping[str, Any] | None
-) -> Mapping[str, Any]:
-    """The rank state a ``save`` writes, its arguments checked on this rank before any
-    collective (a wrong type is a mistake every rank makes alike): ``None`` is an empty one.
-
-    :raises ArgumentTypeError: naming ``state`` or ``rank_state``, when not a mapping.
-    """
-    check_type("state", state, Mapping, "a mapping (such as a dict of state dicts)")
-    if rank_state is None:
-        return {}
-    check_type("rank_state", rank_state, Mapping, "a mapping or None")
-    return rank_state
 
 
 def rank_file(rank: int) -> str:
