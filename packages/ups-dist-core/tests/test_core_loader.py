@@ -36,9 +36,14 @@ class Draws(Dataset[dict[str, torch.Tensor]]):
         }
 
 
-def drawn(reseed: tuple[str, ...], workers: int, epoch: int = 1) -> dict[str, dict[int, float]]:
-    """Each generator's number for each sample index, read in batches of 5 by one rank of 2."""
-    options = LoaderConfig(num_workers=workers, reseed=reseed)  # type: ignore[arg-type]
+def drawn(
+    reseed: tuple[str, ...], workers: int, epoch: int = 1, start: str | None = None
+) -> dict[str, dict[int, float]]:
+    """Each generator's number for each sample index, read in batches of 5 by one rank of 2
+    (``start``: how the workers start, ``data.loader.multiprocessing_context``)."""
+    options = LoaderConfig(  # type: ignore[arg-type]
+        num_workers=workers, reseed=reseed, multiprocessing_context=start
+    )
     sampler = DistributedSampler(range(24), num_replicas=2, rank=1, seed=3)
     sampler.set_epoch(epoch)
     loader = data_loader(
@@ -67,6 +72,13 @@ def test_the_generators_reseed_names_draw_the_same_with_or_without_workers(
     for name in set(GENERATORS) - set(reseed):
         seed_all(1)
         assert drawn(reseed, workers=0)[name] != alone[name], f"{name} was seeded"
+
+
+@pytest.mark.slow
+def test_spawned_workers_seed_the_generators_of_their_own_process() -> None:
+    # The seeded dataset goes to spawned workers pickled: its generators found again there.
+    seed_all(0)
+    assert drawn(GENERATORS, workers=2, start="spawn") == drawn(GENERATORS, workers=0)
 
 
 def seed_all(seed: int) -> None:

@@ -214,9 +214,19 @@ class SeededData(Dataset[Any]):
     def __init__(self, dataset: Any, reseed: tuple[str, ...]) -> None:
         self.dataset = dataset
         self._many: Callable[[list[int]], list[Any]] | None = getattr(dataset, "__getitems__", None)
+        self._reseed = reseed
         self._generators = [RESEED[name] for name in reseed]
         self.draws = False
         """Whether a read of the dataset was seen to draw from the generators."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to spawned workers) with the generators' names: they are the process's
+        own generators, found again in the process that unpickles it."""
+        return {k: v for k, v in self.__dict__.items() if k != "_generators"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._generators = [RESEED[name] for name in self._reseed]
 
     def __len__(self) -> int:
         return len(self.dataset)
