@@ -472,3 +472,63 @@ def test_a_mistake_is_a_usage_error_naming_its_key_before_any_trial(
 
 def test_the_sweep_command_is_registered() -> None:
     assert load_plugins(env={}).records("command")["sweep"].plugin == "optuna"
+
+
+def test_ups_validate_checks_a_config_with_a_sweep_section(tmp_path: Path) -> None:
+    good = project(tmp_path, {"params": SPACE})
+    result = run_ups("validate", str(good), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"{good}: ok"
+    (tmp_path / "bad").mkdir()
+    bad = project(tmp_path / "bad", {"params": {"training.lr": {"low": 0.3, "high": 0.2}}})
+    result = run_ups("validate", str(bad), "-o", "sweep.folds=2", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"ups: error: {bad}: sweep.params.training.lr: low (0.3) is above high (0.2)"
+    )
+    result = run_ups("validate", str(good), "-o", "sweep.folds=0", cwd=tmp_path)
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .endswith("sweep.folds: 0 is not allowed: must be >= 1")
+    )
+
+
+def test_ups_sweep_applies_its_overrides_to_every_trial(tmp_path: Path) -> None:
+    space = {"training.lr": {"low": 1.0e-3, "high": 0.3, "log": True}}
+    config = project(tmp_path, {"params": space, "pruner": {"name": "none"}})
+    overrides = ["-o", "training.epochs=2", "-o", "distributed.nproc=1"]
+    result = run_ups(
+        "sweep",
+        str(config),
+        "--trials",
+        "2",
+        *overrides,
+        "-o",
+        "sweep.objective.kind=train",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "runs" / "sw"
+    for name in ("trial-0", "trial-1", "best"):
+        trial = load_config(folder / f"{name}.yaml")
+        assert (trial.training.epochs, trial.distributed.nproc) == (2, 1)
+    lines = (folder / "trial-0" / "metrics.jsonl").read_text().splitlines()
+    # one process, 64 samples in batches of 8, two epochs: 16 steps
+    assert max(json.loads(line)["step"] for line in lines) == 16
+    # the objective read from the training reports, as the override of the sweep section says
+    assert [t.state for t in load(tmp_path).get_trials()] == [COMPLETE, COMPLETE]
+
+
+def test_an_override_of_a_sampled_key_is_one_line_naming_both(tmp_path: Path) -> None:
+    config = project(tmp_path, {"params": SPACE})
+    result = run_ups("sweep", str(config), "--trials", "1", "-o", "training.lr=0.1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "ups: error: -o training.lr=0.1: the sweep samples training.lr "
+        "(sweep.params.training.lr), which would replace this value in every trial; drop the "
+        "override or the parameter"
+    )
+    assert not (tmp_path / "runs" / "sw" / "study.db").exists()

@@ -7,7 +7,9 @@ same step with the same metrics; rank 0 alone reports to the study and asks the 
 :class:`~ups_optuna.link.TrialPrunedError` together, so no rank is left waiting in a
 collective. Outside a sweep (no ``UPS_OPTUNA_TRIAL``) the hooks do nothing.
 
-This module imports neither Optuna nor the sweep driver: every ``ups`` process loads it.
+This module imports neither Optuna nor the sweep driver: every ``ups`` process loads it. The
+command's options are the ``sweep`` section's class, so that ``ups validate`` checks that
+section too.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from typing import TYPE_CHECKING, Literal
 from ups.core import CommandPlugin, ConfigError, UsageError, hookimpl
 
 from . import link
+from .space import Sweep
 
 if TYPE_CHECKING:
     from ups.core import RunContext
 
 
 def sweep_command(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    """``ups sweep CONFIG --trials N [--study NAME] [--storage URL] [--launcher NAME]``."""
+    """``ups sweep CONFIG --trials N [--study NAME] [--storage URL] [--launcher NAME]
+    [--nproc N] [-o KEY=VALUE ...]``."""
     parser.add_argument("config", type=Path, help="a ups config with a sweep section")
     parser.add_argument(
         "--trials", type=int, required=True, help="finished trials the study should hold"
@@ -45,6 +49,14 @@ def sweep_command(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
     )
     parser.add_argument(
         "--nproc", type=int, help="processes per trial (default: distributed.nproc)"
+    )
+    parser.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a config value in every trial, e.g. -o training.epochs=3 (repeatable)",
     )
     return run_sweep
 
@@ -65,6 +77,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             storage=args.storage,
             launcher=args.launcher,
             nproc=args.nproc,
+            overrides=args.override,
         )
     except TrialFailedError as error:
         print(f"ups: error: {error}", file=sys.stderr)
@@ -84,6 +97,7 @@ def ups_commands() -> list[CommandPlugin]:
         CommandPlugin(
             name="sweep",
             factory=sweep_command,
+            options=Sweep,
             description="search hyperparameters of a config with Optuna (its sweep section)",
         )
     ]

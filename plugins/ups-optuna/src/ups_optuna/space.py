@@ -14,8 +14,7 @@ sweep:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
@@ -40,20 +39,21 @@ class Param:
     """Sample the range on a log scale (``low`` must be > 0)."""
     choices: tuple[Choice, ...] | None = None
 
-    def check(self, key: str) -> None:
-        """:raises ConfigError: naming ``key`` when the space is not one Optuna can sample."""
+    def __attrs_post_init__(self) -> None:
+        """:raises ValueError: when the space is not one Optuna can sample (``structure``
+        reports it at the parameter's key path)."""
         if self.choices is not None:
             if self.low is not None or self.high is not None or self.log or self.step is not None:
-                raise ConfigError(key, "give either choices or a range (low, high), not both")
+                raise ValueError("give either choices or a range (low, high), not both")
             if not self.choices:
-                raise ConfigError(key, "choices is empty")
+                raise ValueError("choices is empty")
             return
         if self.low is None or self.high is None:
-            raise ConfigError(key, "give choices, or a range with both low and high")
+            raise ValueError("give choices, or a range with both low and high")
         if self.low > self.high:
-            raise ConfigError(key, f"low ({self.low}) is above high ({self.high})")
+            raise ValueError(f"low ({self.low}) is above high ({self.high})")
         if self.log and (self.low <= 0 or self.step is not None):
-            raise ConfigError(key, "a log scale needs low > 0 and no step")
+            raise ValueError("a log scale needs low > 0 and no step")
 
     @property
     def integer(self) -> bool:
@@ -64,7 +64,7 @@ class Param:
         """Sample this parameter for ``trial``, named ``key``."""
         if self.choices is not None:
             return trial.suggest_categorical(key, list(self.choices))
-        assert self.low is not None and self.high is not None  # check() ran
+        assert self.low is not None and self.high is not None  # __attrs_post_init__ checked
         if self.integer:
             return trial.suggest_int(
                 key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log
@@ -108,9 +108,10 @@ class Pruning:
 
 @attrs.frozen(kw_only=True)
 class Sweep:
-    """The ``sweep`` section."""
+    """The ``sweep`` section, checked whole when built: ``ups validate`` builds it too (the
+    ``sweep`` command's options, :func:`ups_optuna.plugin.ups_commands`)."""
 
-    params: dict[str, Any]
+    params: dict[str, Param]
     """``{config.key.path: Param}``: the parameters to sample into the config."""
     objective: Objective = attrs.field(factory=Objective)
     pruner: Pruning = attrs.field(factory=Pruning)
@@ -119,6 +120,10 @@ class Sweep:
     ``data.options.fold=i`` and ``data.options.folds=k`` (and the same in ``eval.options``),
     and is scored by the mean; ``1``: one run per trial."""
 
+    def __attrs_post_init__(self) -> None:
+        if not self.params:
+            raise ConfigError("sweep.params", "no parameter to search; add one, e.g. training.lr")
+
 
 def parse_sweep(data: object) -> tuple[Sweep, dict[str, Param]]:
     """The ``sweep`` section and its parameters, checked.
@@ -126,13 +131,4 @@ def parse_sweep(data: object) -> tuple[Sweep, dict[str, Param]]:
     :raises ConfigError: naming the key path of a mistake (``sweep.params.training.lr.low``).
     """
     spec = structure(Sweep, data, "sweep")
-    if not spec.params:
-        raise ConfigError("sweep.params", "no parameter to search; add one, e.g. training.lr")
-    params = {}
-    for key, value in spec.params.items():
-        path = f"sweep.params.{key}"
-        if not isinstance(value, Mapping):
-            raise ConfigError(path, "expected a mapping, e.g. {low: 1.0e-4, high: 0.1, log: true}")
-        params[key] = structure(Param, value, path)
-        params[key].check(path)
-    return spec, params
+    return spec, spec.params

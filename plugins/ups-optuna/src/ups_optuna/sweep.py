@@ -45,7 +45,7 @@ from ups.core import (
     config_from_mapping,
     load_plugins,
     rank_failures,
-    read_yaml,
+    read_config,
     train,
 )
 
@@ -340,15 +340,23 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = read_yaml(path.read_text())
-    except OSError as error:
-        raise UsageError(f"cannot read config file {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise UsageError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from None
-    if not isinstance(data, dict) or "sweep" not in data:
+def _read(path: Path, overrides: Sequence[str]) -> dict[str, Any]:
+    """The config file with ``overrides`` applied, which must have a sweep section, and no
+    override of a key the sweep samples (the sample would replace it).
+
+    :raises UsageError: naming the file, or the override and the parameter.
+    """
+    data = read_config(path, overrides)
+    if "sweep" not in data:
         raise UsageError(f"{path}: no sweep section; add sweep: {{params: {{training.lr: ...}}}}")
+    params = data["sweep"].get("params") if isinstance(data["sweep"], dict) else None
+    for override in overrides:
+        key = override.partition("=")[0]
+        if isinstance(params, dict) and key in params:
+            raise UsageError(
+                f"-o {override}: the sweep samples {key} (sweep.params.{key}), which would "
+                "replace this value in every trial; drop the override or the parameter"
+            )
     return data
 
 
@@ -386,15 +394,20 @@ def sweep(
     storage: str | None = None,
     launcher: str | None = None,
     nproc: int | None = None,
+    overrides: Sequence[str] = (),
 ) -> SweepResult:
     """Run (or resume) the sweep of ``config`` until its study holds ``trials`` finished
     trials (complete or pruned); write the best config and the history plot.
+
+    :param overrides: ``key.path=value`` strings, as ``ups train -o`` takes, applied to the
+        config file before anything else: every trial's config holds them (``sweep.*`` keys
+        change the sweep section).
 
     :raises UsageError: a bad config or sweep section (naming the key), an unknown launcher.
     :raises TrialFailedError: a trial's job failed (the sweep stops; run it again to resume).
     :raises SweepInterruptedError: a signal stopped a trial (run the sweep again to resume).
     """
-    data = _read(config)
+    data = _read(config, overrides)
     spec, params = parse_sweep(data.pop("sweep"))
     checked = config_from_mapping(data, base_dir=config.resolve().parent)
     if spec.objective.kind == "eval" and checked.eval is None:

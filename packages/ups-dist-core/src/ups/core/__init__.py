@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         gather_failures,
     )
     from .commit import COMMIT_FILE, LATEST_FILE, Committed, Committing
-    from .config import Config, config_from_mapping, load_config, read_yaml
+    from .config import Config, config_from_mapping, load_config, read_config, read_yaml
     from .context import RunContext, distributed_session
     from .errors import ConfigError, UsageError, did_you_mean, one_line, one_of
     from .files import check_writable, fsync_dir, write_atomically
@@ -87,6 +87,7 @@ _EXPORTS = {
     "Config": ".config",
     "config_from_mapping": ".config",
     "load_config": ".config",
+    "read_config": ".config",
     "read_yaml": ".config",
     "RunContext": ".context",
     "distributed_session": ".context",
@@ -199,6 +200,7 @@ __all__ = [
     "one_line",
     "one_of",
     "read_metrics",
+    "read_config",
     "read_yaml",
     "run_processes",
     "structure",

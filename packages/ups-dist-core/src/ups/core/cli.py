@@ -403,8 +403,8 @@ def _tune(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     """``ups validate``: ``CONFIG: ok``, then a line for each plugin name the config selects
     that a plugin took from a built-in (the config is valid, but not with the built-in)."""
-    config = load_config(args.config, args.override)
-    registry = load_plugins()
+    registry = load_plugins()  # first: the sections of its commands (sweep) are checked too
+    config = load_config(args.config, args.override, sections=registry.command_sections())
     _check(config, registry, args.nproc)
     print(f"{args.config}: ok")
     selected: list[tuple[str, Family, str]] = [

@@ -393,14 +393,11 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return result
 
 
-def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
-    """Read, override and check a YAML config file.
+def read_config(path: str | Path, overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """Read a YAML config file and apply ``overrides``; check nothing more (for a command that
+    takes a section of its own out first, as ``ups sweep`` does its ``sweep``).
 
-    Relative ``file.py:callable`` paths (``model.factory``, ``data.factory``, ``step.factory``,
-    ``data.loader.collate``, ...) are resolved against the file's folder. Plugin names and options are checked later, against the plugins
-    installed (:func:`ups.core.validate.validate`).
-
-    :raises UsageError: a missing or unreadable file, or a :class:`ConfigError` naming the key.
+    :raises UsageError: a missing or unreadable file, not YAML, not a mapping, a bad override.
     """
     path = Path(path)
     try:
@@ -420,7 +417,32 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     if not isinstance(data, dict):
         raise UsageError(f"{path}: the top level must be a mapping of sections")
     try:
-        config = structure(Config, apply_overrides(data, overrides))
+        return apply_overrides(data, overrides)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error.path}", error.problem) from None
+
+
+def load_config(
+    path: str | Path, overrides: Iterable[str] = (), *, sections: Mapping[str, type] | None = None
+) -> Config:
+    """Read, override and check a YAML config file.
+
+    Relative ``file.py:callable`` paths (``model.factory``, ``data.factory``, ``step.factory``,
+    ``data.loader.collate``, ...) are resolved against the file's folder. Plugin names and options are checked later, against the plugins
+    installed (:func:`ups.core.validate.validate`).
+
+    :param sections: top-level sections that are no part of the run's config, by name, each
+        checked against its attrs class and left out (``ups validate``: the sections plugin
+        commands read, such as ``sweep``).
+    :raises UsageError: a missing or unreadable file, or a :class:`ConfigError` naming the key.
+    """
+    path = Path(path)
+    data = read_config(path, overrides)
+    try:
+        for name, cls in (sections or {}).items():
+            if name in data:
+                structure(cls, data.pop(name), name)
+        config = structure(Config, data)
     except ConfigError as error:
         raise ConfigError(f"{path}: {error.path}", error.problem) from None
     return _resolve_paths(config, path.resolve().parent)

@@ -33,6 +33,7 @@ from .records import (
     CommandPlugin,
     CommHookPlugin,
     LauncherPlugin,
+    NoOptions,
     PluginRecord,
     SamplerPlugin,
     SectionPlugin,
@@ -234,6 +235,19 @@ class Registry:
             f"{family.replace('_', ' ')} {name!r} is not the built-in one: "
             f"plugin {provided.plugin!r}{self._source(provided.plugin)} replaced it"
         )
+
+    def command_sections(self) -> dict[str, type]:
+        """The top-level config sections that plugin commands read, by name, each with its
+        options class: a command record whose ``options`` is not ``NoOptions`` reads the section
+        named like it (ups-optuna's ``sweep``). ``ups validate`` checks them (its options
+        imported if named with :func:`~ups.core.imported`); ``ups train`` refuses them, as keys
+        a run's config does not have."""
+        found = {}
+        for name, provided in self.records("command").items():
+            options = provided.record.loaded(factory=False).options
+            if options is not NoOptions:
+                found[name] = options
+        return found
 
     def check_sections(self, config: Config) -> None:
         """Build every ``plugins.NAME`` section of ``config`` through its plugin's options

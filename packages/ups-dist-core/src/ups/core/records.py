@@ -280,7 +280,10 @@ class CommandFactory(Protocol):
 class CommandPlugin(PluginRecord):
     """A subcommand of ``ups``: ``ups NAME ...``, listed by ``ups --help`` with
     ``description`` as its help. A :class:`~ups.core.UsageError` it raises is printed as one
-    line, with exit status 2, like the built-in commands' errors."""
+    line, with exit status 2, like the built-in commands' errors. Its ``options``, when not
+    ``NoOptions``, are the class of a top-level config section named like the command, which
+    the command reads (ups-optuna's ``sweep``): ``ups validate`` checks that section against
+    it (:meth:`~ups.core.Registry.command_sections`)."""
 
     factory: CommandFactory
 
