@@ -19,7 +19,7 @@ import yaml
 from torch.utils.data import TensorDataset
 
 from ups.core import UsageError, load_config, load_plugins
-from ups.core.testing import install_plugin, run_ups
+from ups.core.testing import events, install_plugin, run_ups, wait_for
 from ups_optuna import link, sweep
 from ups_optuna.link import PRUNED_AT
 from ups_optuna.sweep import LauncherRunner, runner
@@ -129,11 +129,13 @@ def start_sweep(tmp_path: Path, *args: str, log: str) -> subprocess.Popen[bytes]
 
 def wait_held(process: subprocess.Popen[bytes], held: Path, trial: int, log: Path) -> None:
     """Wait until both ranks of ``trial`` are held in :func:`held_data`."""
-    deadline = time.monotonic() + 240
-    while not all((held / f"trial-{trial}-rank-{rank}").exists() for rank in (0, 1)):
-        assert process.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"trial {trial} never started"
-        time.sleep(0.2)
+    wait_for(
+        lambda: all((held / f"trial-{trial}-rank-{rank}").exists() for rank in (0, 1)),
+        240,
+        f"trial {trial} to start",
+        process=process,
+        details=lambda: log.read_text()[-3000:],
+    )
     # the sweep and its ranks, seen where assert_nothing_left_in looks
     assert {process.pid} < set(processes_in(held.parent))
     assert len(processes_in(held.parent)) >= 3
@@ -153,10 +155,11 @@ def processes_in(folder: Path) -> list[int]:
 
 
 def assert_nothing_left_in(folder: Path) -> None:
-    deadline = time.monotonic() + 10  # the killed ranks reaped, multiprocessing's tracker ended
-    while (left := processes_in(folder)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, [(proc, Path(f"/proc/{proc}/cmdline").read_bytes()) for proc in left]
+    def left() -> list[tuple[int, bytes]]:
+        return [(proc, Path(f"/proc/{proc}/cmdline").read_bytes()) for proc in processes_in(folder)]
+
+    # the killed ranks reaped, multiprocessing's tracker ended
+    wait_for(lambda: not processes_in(folder), 10, "no process left", details=lambda: str(left()))
 
 
 INTERRUPTED = (
@@ -233,10 +236,7 @@ def test_a_trial_worse_than_the_median_is_pruned_on_every_rank_at_one_step(
     # on alone would have hung the job, and logged its step-2 report after step 3).
     logs = tmp_path / "runs" / "sw" / "trial-1" / "logs"
     for rank in (0, 1):
-        events = [
-            json.loads(line) for line in (logs / f"rank{rank}.jsonl").read_text().splitlines()
-        ]
-        stepped = [e for e in events if "step" in e]
+        stepped = [e for e in events(logs / f"rank{rank}.jsonl") if "step" in e]
         assert [(e["event"], e["step"]) for e in stepped] == [("eval", 2)]
         assert second.intermediate_values == {2: pytest.approx(stepped[0]["val_loss"], rel=1e-5)}
 
@@ -270,15 +270,16 @@ def test_k_fold_trains_each_trial_once_per_fold_and_scores_the_mean(tmp_path: Pa
 
 LAUNCHERS = '''
 """Two launchers: inline runs a job to its end inside submit, and writes down every request;
-stuck takes 2 s to submit, then its job runs for ever and cannot be cancelled."""
+stuck's submit lasts until the test has signalled the sweep, then its job runs for ever and
+cannot be cancelled."""
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ups.core import LauncherPlugin, hookimpl
+from ups.core.testing import wait_for
 
 
 class Inline:
@@ -302,7 +303,8 @@ class Inline:
 class Stuck:
     def submit(self, request):
         Path(os.environ["STUCK_SUBMITTING"]).touch()
-        time.sleep(2)
+        signalled = Path(os.environ["STUCK_SIGNALLED"])
+        wait_for(signalled.exists, 60, f"the test to write {signalled}")
         return "job-7"
 
     def status(self, handle):
@@ -379,8 +381,7 @@ def test_a_trial_interrupted_through_a_launcher_has_its_job_cancelled(tmp_path: 
     assert interrupted.wait(timeout=60) == 130
     assert last_line(tmp_path / "sweep.log") == INTERRUPTED.format("SIGINT", 0)
     job = str((tmp_path / "runs" / "sw" / "trial-0").resolve())  # the local launcher's handle
-    lines = (tmp_path / "sweep.log").read_text().splitlines()
-    logged = [json.loads(line) for line in lines if line.startswith("{")]
+    logged = events((tmp_path / "sweep.log").read_text())
     assert any(
         (e["event"], e.get("launcher"), e.get("job"))
         == ("interrupted trial's job cancelled", "local", job)
@@ -397,16 +398,21 @@ def test_a_trial_interrupted_through_a_launcher_has_its_job_cancelled(tmp_path: 
 def test_a_job_the_launcher_cannot_cancel_is_named_in_the_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    submitting = tmp_path / "submitting"
+    submitting, signalled = tmp_path / "submitting", tmp_path / "signalled"
     monkeypatch.setenv("STUCK_SUBMITTING", str(submitting))
+    monkeypatch.setenv("STUCK_SIGNALLED", str(signalled))
     config = project(tmp_path, {"params": SPACE})
     stopped = start_sweep(tmp_path, str(config), "--trials", "1", "--launcher", "stuck", log="log")
-    deadline = time.monotonic() + 60
-    while not submitting.exists():
-        assert stopped.poll() is None and time.monotonic() < deadline, last_line(tmp_path / "log")
-        time.sleep(0.05)
+    wait_for(
+        submitting.exists,
+        60,
+        "the job to be submitted",
+        process=stopped,
+        details=lambda: last_line(tmp_path / "log"),
+    )
     # while the job is being submitted: the sweep waits for its handle, to cancel it
     stopped.send_signal(signal.SIGTERM)
+    signalled.touch()  # the submit returns the handle once the signal is sent
     assert stopped.wait(timeout=60) == 128 + signal.SIGTERM
     assert last_line(tmp_path / "log") == INTERRUPTED.format("SIGTERM", 0) + (
         "; its job may still be running: cancel it through launcher 'stuck' (job job-7; "
@@ -532,3 +538,14 @@ def test_an_override_of_a_sampled_key_is_one_line_naming_both(tmp_path: Path) ->
         "override or the parameter"
     )
     assert not (tmp_path / "runs" / "sw" / "study.db").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_a_run_refuses_the_sweep_section_naming_ups_sweep(tmp_path: Path, command: str) -> None:
+    config = project(tmp_path, {"params": SPACE})
+    result = run_ups(command, str(config), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"ups: error: {config}: sweep: is read by `ups sweep`, not by a run: "
+        f"`ups sweep {config}` trains the configs it makes of this one"
+    )

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import structlog
 
 from . import logs
-from .config import Config, load_config
-from .errors import UsageError
+from .config import Config, load_config, read_config
+from .errors import ConfigError, UsageError
 from .launch_record import (
     DEFAULT_RUN_DIR,
     HELD,
@@ -309,7 +309,7 @@ def _train(args: argparse.Namespace) -> int:
         args.override.append(f"checkpoint.allow_changed=[{', '.join(args.allow_changed)}]")
     if args.max_restarts is not None:
         args.override.append(f"distributed.max_restarts={args.max_restarts}")
-    config = load_config(args.config, args.override)
+    config = _run_config(args)
     nproc = args.nproc or config.distributed.nproc
     if not launched():
         _check(config, load_plugins(), nproc)
@@ -331,6 +331,27 @@ def _train(args: argparse.Namespace) -> int:
     if not agent:
         _where_the_files_are(config)
     return EXIT_PREEMPTED if result.preempted and not agent else EXIT_OK
+
+
+def _run_config(args: argparse.Namespace) -> Config:
+    """The config a run trains on (``ups train``, ``tune``, ``check``, ``launch``): a section
+    that a plugin's command reads instead (ups-optuna's ``sweep``) is refused naming that
+    command.
+
+    :raises ConfigError: as :func:`~ups.core.load_config` does.
+    """
+    try:
+        return load_config(args.config, args.override)
+    except ConfigError:
+        data = read_config(args.config, args.override)
+        for name in load_plugins().command_sections():
+            if name in data:
+                raise ConfigError(
+                    f"{args.config}: {name}",
+                    f"is read by `ups {name}`, not by a run: `ups {name} {args.config}` "
+                    "trains the configs it makes of this one",
+                ) from None
+        raise
 
 
 def _where_the_files_are(config: Config) -> None:
@@ -390,7 +411,7 @@ def _tune(args: argparse.Namespace) -> int:
     from . import launch
     from .context import launched
 
-    config = load_config(args.config, args.override)
+    config = _run_config(args)
     nproc = args.nproc or config.distributed.nproc
     if not launched():
         _check(config, load_plugins(), nproc)
@@ -427,7 +448,7 @@ def _check_exact(args: argparse.Namespace) -> int:
     from .check import check
     from .context import launched
 
-    config = load_config(args.config, args.override)
+    config = _run_config(args)
     nproc = args.nproc or max(config.distributed.nproc, 2)
     if nproc < 2:
         raise UsageError("--nproc: must be >= 2: one process has nothing to compare")
@@ -504,7 +525,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.override)
+    config = _run_config(args)
     name = args.launcher or config.launch.name
     if name is None:
         raise UsageError(
