@@ -10,7 +10,7 @@ import pytest
 
 from ups.core import load_config, train
 from ups.core.config import EvalConfig
-from ups.core.testing import read_checkpoint
+from ups.core.testing import events, read_checkpoint
 
 
 def test_two_processes_train_and_return_rank_0s_result(project: Path) -> None:
@@ -33,11 +33,10 @@ def test_two_processes_train_and_return_rank_0s_result(project: Path) -> None:
         assert metrics["comm_ratio"] == 1
     # every rank's own log, at info level, whatever its console shows
     for rank in (0, 1):
-        lines = (project / "runs" / "tiny" / "logs" / f"rank{rank}.jsonl").read_text()
-        events = [json.loads(line) for line in lines.splitlines()]
-        assert {e["rank"] for e in events} == {rank}
-        assert events[0]["event"] == "training"
-        assert [e["steps"] for e in events if e["event"] == "done"] == [40]
+        logged = events(project / "runs" / "tiny" / "logs" / f"rank{rank}.jsonl")
+        assert {e["rank"] for e in logged} == {rank}
+        assert logged[0]["event"] == "training"
+        assert [e["steps"] for e in logged if e["event"] == "done"] == [40]
 
 
 def test_one_process_trains_in_place_and_stops_at_max_steps(project: Path) -> None:

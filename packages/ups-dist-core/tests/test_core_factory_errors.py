@@ -4,7 +4,6 @@ files beside it, in ``ups validate`` and on the ranks alike, from any working di
 
 from __future__ import annotations
 
-import json
 import sys
 import uuid
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from hypothesis import strategies as st
 
 from ups.core import ConfigError
 from ups.core.imports import TRACEBACK_ENV, load_object
-from ups.core.testing import run_ups, tiny_project
+from ups.core.testing import events, run_ups, tiny_project
 
 BROKEN = {
     # file text, the line it fails at, the error as the message ends
@@ -185,5 +184,5 @@ def test_a_factory_file_imports_the_files_beside_it_from_any_folder(tmp_path: Pa
     assert validated.returncode == 0, validated.stderr
     trained = run_ups("train", str(config), "--nproc", "2", cwd=elsewhere, timeout=300)
     assert trained.returncode == 0, trained.stderr
-    events = [json.loads(line) for line in trained.stderr.splitlines() if line.startswith("{")]
-    assert events[-1]["event"] == "done" and events[-1]["steps"] == 4
+    logged = events(trained.stderr)
+    assert logged[-1]["event"] == "done" and logged[-1]["steps"] == 4

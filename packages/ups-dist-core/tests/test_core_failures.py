@@ -4,12 +4,10 @@ out-of-memory step is skipped by all, any other error stops all, naming the rank
 from __future__ import annotations
 
 import gc
-import json
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,7 +15,7 @@ from ups.core import RunContext, UsageError, load_config, load_plugins, train
 from ups.core.engine import train as train_rank
 from ups.core.faults import ENV, Fault, FaultInjector, parse_faults
 from ups.core.imports import load_object
-from ups.core.testing import run_ranks, run_ups, tiny_project
+from ups.core.testing import events, run_ranks, run_ups, tiny_project
 
 
 def outcome(ctx: RunContext, config_path: Path) -> tuple[str, str]:
@@ -27,11 +25,6 @@ def outcome(ctx: RunContext, config_path: Path) -> tuple[str, str]:
     except Exception as error:
         return type(error).__name__, str(error)
     return "ok", str(result.steps)
-
-
-def events(log_file: Path) -> list[dict[str, Any]]:
-    """The events of a rank's log file."""
-    return [json.loads(line) for line in log_file.read_text().splitlines()]
 
 
 def test_fault_specs_parse_and_bad_ones_name_the_item() -> None:

@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from ups.core import RunContext, TrainResult, hookimpl, load_config, load_plugins
 from ups.core.engine import train
-from ups.core.testing import run_ranks, tiny_project
+from ups.core.testing import events, run_ranks, tiny_project
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
 log = structlog.get_logger()
@@ -46,15 +44,11 @@ def _train(ctx: RunContext, config: Path, fail: bool) -> str:
     return "ok"
 
 
-def _events(run: Path, rank: int, prefix: str) -> list[dict[str, Any]]:
-    lines = (run / "logs" / f"rank{rank}.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["event"].startswith(prefix)]
-
-
 def test_a_plugins_events_at_the_runs_end_are_in_each_ranks_file(tmp_path: Path) -> None:
     assert run_ranks(_train, 2, tiny_project(tmp_path), False) == ["ok", "ok"]
     for rank in (0, 1):
-        [ended] = _events(tmp_path / "runs" / "tiny", rank, "plugin: run ended")
+        log = tmp_path / "runs" / "tiny" / "logs" / f"rank{rank}.jsonl"
+        [ended] = events(log, "plugin: run ended")
         assert (ended["rank"], ended["level"], ended["steps"]) == (rank, "info", 4)
 
 
@@ -62,8 +56,8 @@ def test_a_plugins_events_at_the_runs_error_are_in_each_ranks_file(tmp_path: Pat
     failed = run_ranks(_train, 2, tiny_project(tmp_path), True)
     assert failed == ["the plugin failed"] * 2
     for rank in (0, 1):
-        run = tmp_path / "runs" / "tiny"
-        [said] = _events(run, rank, "plugin: run failed")
+        log = tmp_path / "runs" / "tiny" / "logs" / f"rank{rank}.jsonl"
+        [said] = events(log, "plugin: run failed")
         assert (said["rank"], said["error"]) == (rank, "the plugin failed")
-        [last] = _events(run, rank, "failed")  # the rank's own record of the error, after it
+        [last] = events(log, "failed")  # the rank's own record of the error, after it
         assert "the plugin failed" in last["error"]

@@ -8,13 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from ups.core.testing import tiny_project
+from ups.core.testing import tiny_project, wait_for
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the parent-death signal and /proc are Linux's"
@@ -65,28 +63,26 @@ def _command(pid: int) -> str:
     return f"pid {pid}"
 
 
-def _until(condition: Callable[[], bool], seconds: float, what: str) -> None:
-    """Wait until ``condition()`` holds, or fail naming ``what``."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {seconds:g} s: {what}"
-        time.sleep(0.1)
-
-
 def _kill_and_watch(launcher: subprocess.Popen[bytes], tree: set[Proc], seconds: float) -> None:
     """SIGKILL ``launcher`` alone; assert that every process of ``tree`` ends within
     ``seconds`` (and kill those left, so a failure leaves nothing behind)."""
     launcher.kill()
     launcher.wait()
-    deadline = time.monotonic() + seconds
-    while (left := {p for p in tree if _running(p)}) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    commands = [_command(pid) for pid, _ in left]
-    for pid, _ in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, (
-        f"alive {seconds:g} s after SIGKILL of the process that started them: {commands}"
-    )
+
+    def left() -> list[Proc]:
+        return [p for p in tree if _running(p)]
+
+    try:
+        wait_for(
+            lambda: not left(),
+            seconds,
+            "its processes to end after SIGKILL of the one that started them",
+            details=lambda: f"alive: {[_command(pid) for pid, _ in left()]}",
+        )
+    finally:
+        for pid, _ in left():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _launched(command: list[str], config: Path) -> tuple[subprocess.Popen[bytes], set[Proc]]:
@@ -105,7 +101,9 @@ def _launched(command: list[str], config: Path) -> tuple[subprocess.Popen[bytes]
             ranks = [int(p.name) for p in pids.iterdir()]
             return len(ranks) == 2 and all(_descendants(rank) for rank in ranks)
 
-        _until(training, STARTED_S, "both ranks training, with their loader workers")
+        wait_for(
+            training, STARTED_S, "both ranks training, with their loader workers", process=launcher
+        )
     except BaseException:
         launcher.kill()
         raise
@@ -164,7 +162,12 @@ the folder ``argv[1]``."""
 def test_loader_workers_stuck_in_getitem_end_with_their_rank(tmp_path: Path) -> None:
     rank = subprocess.Popen([sys.executable, "-c", STUCK_RANK, str(tmp_path)])
     try:
-        _until(lambda: len(list(tmp_path.iterdir())) == 2, STARTED_S, "2 workers in __getitem__")
+        wait_for(
+            lambda: len(list(tmp_path.iterdir())) == 2,
+            STARTED_S,
+            "2 workers in __getitem__",
+            process=rank,
+        )
     except BaseException:
         rank.kill()
         raise

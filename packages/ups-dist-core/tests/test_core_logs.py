@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 from ups.core import logs
 from ups.core.context import RunContext
 from ups.core.progress import Progress
-from ups.core.testing import run_ranks, tiny_project
+from ups.core.testing import events, run_ranks, tiny_project
 
 log = structlog.get_logger()
 
@@ -51,10 +51,6 @@ def shown(raw: str) -> str:
     return text.rstrip()
 
 
-def events(text: str) -> list[dict[str, object]]:
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-
-
 def log_in_rank_file(ctx: RunContext, run_dir: Path) -> str:
     """Configure the console into a buffer, log inside and after ``rank_log_file``; return what
     the console got."""
@@ -79,8 +75,7 @@ def test_every_rank_files_its_info_events_while_the_console_of_rank_1_only_warns
 ) -> None:
     consoles = run_ranks(log_in_rank_file, 2, tmp_path)
     for rank in (0, 1):
-        text = (tmp_path / "logs" / f"rank{rank}.jsonl").read_text()
-        records = [json.loads(line) for line in text.splitlines()]
+        records = events(tmp_path / "logs" / f"rank{rank}.jsonl")
         assert [(r["event"], r["level"], r["rank"]) for r in records] == [
             ("hello", "info", rank),
             ("careful", "warning", rank),
@@ -111,7 +106,7 @@ def test_rank_log_file_appends_and_leaves_the_processors_as_it_found_them(
                 log.exception("failed")
         log.info("not filed")
         assert structlog.get_config()["processors"] == before
-    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records = events(path)
     assert [(r["event"], r["level"], r["rank"]) for r in records] == [
         ("one", "info", 0),
         ("failed", "error", 0),

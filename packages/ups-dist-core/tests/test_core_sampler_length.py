@@ -5,7 +5,6 @@ silently cut short."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Sized
 from pathlib import Path
@@ -20,7 +19,7 @@ from ups.core import RunContext, SamplerPlugin, hookimpl, load_config, load_plug
 from ups.core.config import LoaderConfig
 from ups.core.engine import train
 from ups.core.loader import Epoch, data_loader
-from ups.core.testing import run_ranks, tiny_project
+from ups.core.testing import events, run_ranks, tiny_project
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
 WARNING = "the sampler yields more indices than its len() says"
@@ -72,11 +71,6 @@ def _train(ctx: RunContext, config: Path) -> int:
     return train(load_config(config), ctx, registry).steps
 
 
-def _events(run: Path, rank: int) -> list[dict[str, Any]]:
-    lines = (run / "logs" / f"rank{rank}.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
 def _project(folder: Path, sampler: str) -> Path:
     # 64 samples, 32 a rank, batches of 4: 8 steps an epoch; two workers read 4 batches ahead
     return tiny_project(
@@ -89,16 +83,16 @@ def _project(folder: Path, sampler: str) -> Path:
 
 def test_a_len_that_counts_what_is_left_gives_the_whole_epoch_with_workers(tmp_path: Path) -> None:
     assert run_ranks(_train, 2, _project(tmp_path, "countdown")) == [16, 16]
-    events = _events(tmp_path / "runs" / "tiny", 0)
-    assert not [e for e in events if e["event"].startswith(WARNING)]
+    logged = events(tmp_path / "runs" / "tiny" / "logs" / "rank0.jsonl")
+    assert not [e for e in logged if e["event"].startswith(WARNING)]
 
 
 def test_a_sampler_longer_than_its_len_is_warned_about_once_naming_it(tmp_path: Path) -> None:
     # len() says 16 indices, 4 batches: the epochs are 4 steps, and the rest is not trained on
     assert run_ranks(_train, 2, _project(tmp_path, "too-short")) == [8, 8]
     for rank in (0, 1):
-        events = _events(tmp_path / "runs" / "tiny", rank)
-        warned = [e for e in events if e["event"].startswith(WARNING)]
+        logged = events(tmp_path / "runs" / "tiny" / "logs" / f"rank{rank}.jsonl")
+        warned = [e for e in logged if e["event"].startswith(WARNING)]
         assert len(warned) == 1, warned  # the first epoch's, not every epoch's
         assert warned[0]["sampler"] == f"{__name__}.Countdown"
         assert (warned[0]["level"], warned[0]["epoch"], warned[0]["batches"]) == ("warning", 1, 4)

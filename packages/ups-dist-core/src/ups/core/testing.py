@@ -15,6 +15,7 @@ import queue as queue_module
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -165,19 +166,67 @@ def tiny_project(folder: Path, **sections: Any) -> Path:
 
 
 def run_ups(
-    *args: str, cwd: Path | None = None, timeout: float = 120
+    *args: str,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the ``ups`` command (``python -m ups.core ARGS``) as users do, logging JSON; return
-    its exit status, stdout and stderr."""
+    """Run the ``ups`` command (``python -m ups.core ARGS``) as users do, logging JSON, in
+    ``cwd``, with ``env``'s variables added to this process's environment (``UPS_FAULTS``,
+    ``PYTHONPATH``); return its exit status, stdout and stderr (never raising for the status).
+
+    :raises subprocess.TimeoutExpired: when it runs longer than ``timeout`` seconds.
+    """
     return subprocess.run(
         [sys.executable, "-m", "ups.core", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=os.environ | {"UPS_LOG_FORMAT": "json"},
+        env=os.environ | {"UPS_LOG_FORMAT": "json"} | dict(env or {}),
         cwd=cwd,
         check=False,
     )
+
+
+def events(log: Path | str, name: str | None = None) -> list[dict[str, Any]]:
+    """The JSON log events of ``log``, in order: of a log file when a :class:`~pathlib.Path`
+    (a rank's ``logs/rank<N>.jsonl``, every attempt's; each line must be one), else of the text
+    itself (``stderr`` from :func:`run_ups`, what a console got), whose lines that are not JSON
+    objects (the launcher's own words) are left out. With ``name``, only the events so named.
+    """
+    if isinstance(log, Path):
+        found = [json.loads(line) for line in log.read_text().splitlines()]
+    else:
+        found = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    return [e for e in found if name is None or e.get("event") == name]
+
+
+def wait_for(
+    condition: Callable[[], object],
+    timeout: float,
+    what: str,
+    *,
+    process: subprocess.Popen[Any] | None = None,
+    details: Callable[[], str] | None = None,
+) -> None:
+    """Return once ``condition()`` is true, checking every 50 ms.
+
+    :raises AssertionError: ``timed out after TIMEOUT s while waiting for WHAT``, or, once
+        ``process`` (the one expected to bring the condition about) has exited, ``the
+        process PID exited with status N while waiting for WHAT``; then ``details()`` (what
+        the process logged, say) on the lines below.
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process is not None and process.poll() is not None:
+            problem = f"the process {process.pid} exited with status {process.returncode}"
+        elif time.monotonic() > deadline:
+            problem = f"timed out after {timeout:g} s"
+        else:
+            time.sleep(0.05)
+            continue
+        more = f"\n{details()}" if details is not None else ""
+        raise AssertionError(f"{problem} while waiting for {what}{more}")
 
 
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
