@@ -11,7 +11,7 @@ import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol, get_args
+from typing import Any, Protocol, get_type_hints
 
 import pytest
 import vultr_server
@@ -19,7 +19,7 @@ from vast_server import VastServer
 from without import without
 
 from ups.cloud import local, slurm, vastai, vultr
-from ups.core import TERMINAL
+from ups.core import TERMINAL, JobState
 from ups.core.testing import run_ups, tiny_project
 
 VAST_KEY = "planted-vast-key-0c4d81b7e2"
@@ -218,8 +218,15 @@ def test_following_a_stopped_job_ends_saying_it_still_bills(
 def test_every_state_of_a_launcher_ends_a_follow_or_is_a_live_one() -> None:
     """``ups logs --follow`` returns at the TERMINAL states and waits out the others: a state
     a launcher adds must be one or the other deliberately."""
-    for module in (local, slurm, vastai, vultr):
-        assert set(get_args(module.State)) - set(TERMINAL) <= {"PENDING", "RUNNING"}, module
+    launchers = (
+        local.LocalLauncher,
+        slurm.SlurmLauncher,
+        vastai.VastAILauncher,
+        vultr.VultrLauncher,
+    )
+    for launcher in launchers:
+        assert get_type_hints(launcher.status)["return"] is JobState, launcher
+    assert set(JobState) - set(TERMINAL) <= {"PENDING", "RUNNING"}
 
 
 def test_the_key_can_come_from_a_file_named_in_the_options_and_shows_nowhere(

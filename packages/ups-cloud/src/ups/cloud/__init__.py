@@ -8,9 +8,14 @@ process; see :mod:`ups.cloud.local`. Select it with ``launch: {name: local}``.
 :mod:`ups.cloud.startup`.
 """
 
-from .local import JobRecord, LocalLauncher, LocalLauncherOptions, State
+from ups.core import JobState
+
+from .local import JobRecord, LocalLauncher, LocalLauncherOptions
 from .slurm import SlurmLauncher, SlurmOptions
 from .startup import Env, StartupScript, upload
+
+State = JobState
+"""The former name of :class:`ups.core.JobState`, what every launcher's ``status`` returns."""
 
 __all__ = [
     "Env",

@@ -34,7 +34,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import structlog
@@ -42,6 +42,7 @@ import structlog
 from ups.core import (
     AGENT_ENV,
     Config,
+    JobState,
     LaunchRequest,
     UsageError,
     above,
@@ -57,8 +58,6 @@ from ._runner import EXIT_FILE, LOG_FILE
 
 log = structlog.get_logger()
 
-State = Literal["RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
-"""What :meth:`LocalLauncher.status` answers. A job is never ``PENDING`` here: it starts at once."""
 
 RECORD_FILE = "job.json"
 """The job record (:class:`JobRecord`); ``launch.json`` is the ``ups`` command's record."""
@@ -192,7 +191,7 @@ class LocalLauncher:
         log.info("job submitted", run=record.name, pid=pid, folder=str(folder))
         return str(folder)
 
-    def status(self, handle: str) -> State:
+    def status(self, handle: str) -> JobState:
         """``RUNNING`` while the job's runner lives; then ``SUCCEEDED`` (exit status 0),
         ``CANCELLED`` (after :meth:`cancel`) or ``FAILED``."""
         folder, record = self._find(handle)
@@ -211,7 +210,7 @@ class LocalLauncher:
         sessions of their own), then SIGKILL to whatever is left after ``cancel_grace_s``.
         Returns once every process of the job is gone. A job that has ended is left as it is."""
         folder, record = self._find(handle)
-        if _state(folder, record) != "RUNNING":
+        if _state(folder, record) != JobState.RUNNING:
             return
         write_atomically(folder / CANCEL_FILE, _now() + "\n")
         leader = record.proc
@@ -303,7 +302,7 @@ class LocalLauncher:
         if not (folder / RECORD_FILE).exists():
             return
         previous = JobRecord.read(folder / RECORD_FILE)
-        if _state(folder, previous) == "RUNNING":
+        if _state(folder, previous) == JobState.RUNNING:
             raise UsageError(
                 f"run {previous.name!r} is still running in {folder} (pid {previous.pid}); "
                 "cancel it, or choose another run.name (-o run.name=...)"
@@ -316,15 +315,15 @@ class LocalLauncher:
                 os.replace(folder / name, archive / name)
 
 
-def _state(folder: Path, record: JobRecord) -> State:
+def _state(folder: Path, record: JobRecord) -> JobState:
     ended = _exit_code(folder)
     if ended is None:
         if _procs.alive(record.proc):
-            return "RUNNING"
+            return JobState.RUNNING
         ended = _exit_code(folder)  # it may have just ended
     if ended == 0:
-        return "SUCCEEDED"
-    return "CANCELLED" if (folder / CANCEL_FILE).exists() else "FAILED"
+        return JobState.SUCCEEDED
+    return JobState.CANCELLED if (folder / CANCEL_FILE).exists() else JobState.FAILED
 
 
 def _exit_code(folder: Path) -> int | None:

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
 import attrs
 
-from ups.core import ConfigError, UsageError, did_you_mean, one_of
+from ups.core import ConfigError, UsageError, above, did_you_mean, one_of
 
 from ._secrets import ApiKey
+from .startup import _as_tuple
 
 OPTIONS_KEY = "launch.options"
 """The config section a launcher's options come from, which starts their key paths."""
@@ -57,12 +59,20 @@ def _a_path(_inst: object, _attr: attrs.Attribute[Any], value: str | None) -> No
         raise ValueError("must be the path of a file")
 
 
+def seconds(default: float) -> Any:
+    """A field of seconds, ``> 0``, defaulting to ``default``."""
+    return attrs.field(default=default, validator=above(0))
+
+
 @attrs.frozen(kw_only=True)
 class CloudOptions:
-    """The options every cloud launcher has; each launcher's options class adds its own."""
+    """The options every cloud launcher has; each launcher's options class adds its own, and
+    gives ``api_key_env`` and ``url`` their defaults."""
 
     api_key_env: str
     """The environment variable that holds the API key (read when ``api_key_file`` is unset)."""
+    url: str
+    """The root URL of the cloud's API."""
     api_key_file: str | None = attrs.field(default=None, converter=_path_text, validator=_a_path)
     """The path of a file holding the API key (``~`` is expanded; a :class:`~pathlib.Path` is
     taken too); used instead of ``api_key_env`` when given."""
@@ -71,6 +81,25 @@ class CloudOptions:
     ``<upload_url>/nodes/R``; see :mod:`ups.cloud.startup`). Its credentials must be where it
     is read (the machines' image; this process too, where the launcher reads it), never in the
     URL."""
+    ready_timeout_s: float = seconds(900.0)
+    """How long each instance may take to be ready (running) before every instance created is
+    deleted."""
+    poll_s: float = seconds(5.0)
+    """Seconds between two looks at an instance that is not ready yet."""
+    auto_shutdown: bool = True
+    """Shut each machine down when its script ends, so that it bills as little as it can."""
+    packages: Mapping[str, str] | None = None
+    """Distributions the script installs on each machine, name -> exact version."""
+    data_step: str | None = None
+    """A shell command run on each machine before training."""
+    files: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    """Further files the run needs (e.g. a model module), as paths relative to the working
+    directory: read at launch and written on each machine at the same relative path, beside
+    the config (see :func:`ups.cloud.startup.machine_files`)."""
+    network_interface: str | None = None
+    """The NIC (e.g. ``enp8s0``) on which the machines of a multi-machine job reach each other;
+    ``None``: each machine finds it at start (the rule:
+    :attr:`ups.cloud.startup.StartupScript.network_interface`)."""
 
     def api_key(self, launcher: str) -> ApiKey:
         """The API key these options name, for the launcher ``launcher``."""

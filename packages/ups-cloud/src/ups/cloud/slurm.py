@@ -43,13 +43,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Literal
 
 import attrs
 import structlog
 
 from ups.core import (
     EXIT_PREEMPTED,
+    JobState,
     LaunchRequest,
     UsageError,
     above,
@@ -63,8 +63,6 @@ from ups.core import (
 
 log = structlog.get_logger()
 
-State = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
-
 SCRIPT_FILE = "slurm.sbatch"
 OUTPUT_PATTERN = "slurm-%j.out"
 """The job's stdout and stderr, in its run folder (``%j``: the job id)."""
@@ -76,6 +74,7 @@ _RUNNING = {
     "RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESIZING",
 }  # fmt: skip
 _CANCELLED = {"CANCELLED", "REVOKED"}
+_LIVE = (JobState.PENDING, JobState.RUNNING)
 # Anything else that has ended (FAILED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, ...) is
 # FAILED.
 
@@ -194,17 +193,17 @@ class SlurmLauncher:
         log.info("job submitted", job_id=job_id, folder=str(folder))
         return f"{job_id}:{folder}"
 
-    def status(self, handle: str) -> State:
+    def status(self, handle: str) -> JobState:
         """The job's state, from ``squeue``, else ``scontrol show job``, else ``sacct``."""
         job_id, _ = _parse(handle)
         state = self._slurm_state(job_id)
         if state in _PENDING:
-            return "PENDING"
+            return JobState.PENDING
         if state in _RUNNING:
-            return "RUNNING"
+            return JobState.RUNNING
         if state == "COMPLETED":
-            return "SUCCEEDED"
-        return "CANCELLED" if state.split()[0] in _CANCELLED else "FAILED"
+            return JobState.SUCCEEDED
+        return JobState.CANCELLED if state.split()[0] in _CANCELLED else JobState.FAILED
 
     def logs(self, handle: str) -> str:
         """The job's output file so far (its stdout and stderr); empty before it starts."""
@@ -228,13 +227,13 @@ class SlurmLauncher:
         """``scancel`` the job and wait until SLURM reports it ended (at most
         ``cancel_timeout_s``). A job that has ended is left as it is."""
         job_id, _ = _parse(handle)
-        if self.status(handle) not in ("PENDING", "RUNNING"):
+        if self.status(handle) not in _LIVE:
             return
         result = self._run([self.options.scancel, job_id], what="cancel the job")
         if result.returncode != 0:
             raise UsageError(f"scancel {job_id} failed: {_last_line(result.stderr)}")
         deadline = time.monotonic() + self.options.cancel_timeout_s
-        while self.status(handle) in ("PENDING", "RUNNING"):
+        while self.status(handle) in _LIVE:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"job {job_id} still not ended {self.options.cancel_timeout_s}s after scancel"

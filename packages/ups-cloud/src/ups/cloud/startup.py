@@ -46,6 +46,7 @@ import re
 import shlex
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Literal
 
@@ -65,57 +66,14 @@ _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]*")
 # Linux interface names: at most 15 characters, no slash, colon or white space.
 _INTERFACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,14}")
 
-NETWORK_FUNCTIONS = r"""# The address and interface the job's other machines reach this one on (a multi-machine job):
-# sets UPS_LOCAL_ADDR, UPS_IFACE, and UPS_IS_HOST (1: this machine serves the rendezvous).
-# $1: this machine's rank; $2: the rendezvous host; $3: the interface to use, or empty to
-# find it (see StartupScript.network_interface in ups.cloud.startup).
-ups_field() { awk -v key="$1" '{for (i = 1; i < NF; i++) if ($i == key) {print $(i + 1); exit}}'; }
-ups_iface_addr() {
-  { ip -4 -o addr show dev "$1" scope global 2>/dev/null || true; } | awk '{split($4, a, "/"); print a[1]; exit}'
-}
-ups_private_iface() {
-  local def
-  def=$({ ip -4 -o route show default 2>/dev/null || true; } | ups_field dev)
-  ip -4 -o addr show scope global | awk -v def="$def" '
-    $2 ~ /^(lo$|docker|br-|virbr|veth)/ {next}
-    {split($4, a, "/"); split(a[1], o, ".")}
-    !p && $2 != def && (o[1] == 10 || (o[1] == 172 && o[2] >= 16 && o[2] <= 31) ||
-      (o[1] == 192 && o[2] == 168)) {p = $2}
-    !d && $2 == def {d = $2}
-    !f {f = $2}
-    END {print p ? p : d ? d : f}'
-}
-ups_network() {
-  local address route
-  address=$(getent ahostsv4 "$2" | awk 'NR == 1 {print $1}' || true)
-  route=$(ip -4 -o route get "${address:-$2}" 2>&1) || {
-    ups_say "cannot reach the rendezvous host $2: $route"
-    return 1
-  }
-  UPS_IS_HOST=0 UPS_IFACE=$3 UPS_LOCAL_ADDR=
-  if [ "$(ups_field dev <<<"$route")" = lo ]; then UPS_IS_HOST=1; fi
-  if [ -z "$UPS_IFACE" ] && [ "$UPS_IS_HOST" = 0 ]; then
-    UPS_IFACE=$(ups_field dev <<<"$route")
-    UPS_LOCAL_ADDR=$(ups_field src <<<"$route")
-  elif [ -z "$UPS_IFACE" ]; then
-    UPS_LOCAL_ADDR=$(ups_field src <<<"$route")
-    case "$UPS_LOCAL_ADDR" in
-      127.*) UPS_LOCAL_ADDR= UPS_IFACE=$(ups_private_iface) ;;
-      *) UPS_IFACE=$(ip -4 -o addr show | awk -v a="$UPS_LOCAL_ADDR" 'index($4, a "/") == 1 {print $2; exit}') ;;
-    esac
-  fi
-  UPS_LOCAL_ADDR=${UPS_LOCAL_ADDR:-$(ups_iface_addr "$UPS_IFACE")}
-  if [ -z "$UPS_IFACE" ] || [ -z "$UPS_LOCAL_ADDR" ]; then
-    ups_say "no IPv4 address on ${UPS_IFACE:-any network interface} for the other machines to reach; set network_interface"
-    return 1
-  fi
-  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$UPS_IFACE}"
-  export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$UPS_IFACE}"
-  ups_say "network: machine $1 is $UPS_LOCAL_ADDR on $UPS_IFACE (GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME)"
-}
-"""
+NETWORK_SCRIPT = "network.sh"
 """The bash functions of a multi-machine script that find the machine's address on the job's
-network (the rule: :attr:`StartupScript.network_interface`)."""
+network (the rule: :attr:`StartupScript.network_interface`), shipped beside this module."""
+
+
+def network_functions() -> str:
+    """The text of :data:`NETWORK_SCRIPT`, which a multi-machine script includes."""
+    return resources.files("ups.cloud").joinpath(NETWORK_SCRIPT).read_text()
 
 
 def _env_name(name: str, what: str) -> str:
@@ -344,7 +302,7 @@ class StartupScript:
             words += ["--nnodes", str(request.nnodes), "--node-rank", _word(self.node_rank)]
             words += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{self.rdzv_port}"]
             words += ["--rdzv-id", shlex.quote(self.rdzv_id)]
-            # Found by the script (NETWORK_FUNCTIONS): torch's defaults come from the
+            # Found by the script (NETWORK_SCRIPT): torch's defaults come from the
             # hostname, which the other machines may not resolve (nor this one).
             words += ["--rdzv-conf", '"is_host=$UPS_IS_HOST"', "--local-addr", '"$UPS_LOCAL_ADDR"']
         overrides = (*request.overrides, f"run.output_dir={self.run_dir}")
@@ -372,7 +330,7 @@ class StartupScript:
             "",
             'ups_say() { printf \'[ups-startup %s] %s\\n\' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*"; }',
             "",
-            *([NETWORK_FUNCTIONS] if self.request.nnodes > 1 else []),
+            *([network_functions()] if self.request.nnodes > 1 else []),
             "ups_finish() {",
             "  local status=$?",
             "  trap - EXIT",

@@ -1,69 +1,53 @@
 """The ``vastai`` launcher: rent GPU machines on VastAI and run the start-up script on them.
 
 ``submit`` searches the offers (``POST /bundles/``: GPU name and count, GPU RAM, reliability,
-price cap; cheapest first), creates one instance per machine (``PUT /asks/OFFER/``) with
-``image`` and the start-up script of :mod:`ups.cloud.startup` as its on-start command, and waits
-until every instance is ``running`` (``GET /instances/ID/``). The script carries the config
-and the files listed in ``files`` (read at launch), which it writes under ``/root/ups`` on the
-machine before training there into ``/root/ups/runs`` (or the request's relative ``run_dir``).
-``status`` reads the instances, ``logs`` fetches their logs (``PUT
+price cap; cheapest first), then creates the instances (``PUT /asks/OFFER/``) as every cloud
+launcher does (:mod:`ups.cloud._cloud`: the first alone, all destroyed if any step fails; the
+handle ``vastai:ID1,ID2,...``), each with ``image`` and its start-up script
+(:mod:`ups.cloud.startup`) as its on-start command, and waits until each is ``running``
+(``GET /instances/ID/``). ``status`` reads the instances, ``logs`` fetches their logs (``PUT
 /instances/request_logs/ID/``, then the ``result_url`` it names) and ``cancel`` destroys them
-(``DELETE /instances/ID/``). All of it goes through the
-maintained ``vastai`` package's API layer (``vastai.api``: its ``VastClient``), pointed at
-``url``. The client tries a request up to ``retries`` times while it is answered 429 or
+(``DELETE /instances/ID/``). All of it goes through the maintained ``vastai`` package's API
+layer (``vastai.api``: its ``VastClient``), pointed at ``url``, which holds the key in this
+process. The client tries a request up to ``retries`` times while it is answered 429 or
 502/503/504: it waits what ``Retry-After`` says (a wait over 60 s is not retried), else 0.15 s,
 then 1.5 times longer each time.
 
-The handle is ``vastai:ID1,ID2,...``: the instance ids, the first one the rendezvous host.
+Several machines: the first instance's public address and the host port mapped to its
+container port ``rdzv_port`` are the others' c10d rendezvous endpoint (it itself uses
+``localhost``). That mapped port carries the rendezvous only: the process group's store and
+gloo/NCCL then connect to each machine's own address (the one its script finds, or that of
+``network_interface``) on ports not mapped, so a multi-machine job trains only where the
+machines reach each other directly on every port (one private network or overlay); behind
+VastAI's NAT it waits until torch's timeouts end it, billing. ``dry_run`` and ``submit`` log a
+warning (:data:`MULTI_MACHINE_WARNING`) for every such job.
 
-Several machines: the first instance is created, and once it is running its public address
-and the host port mapped to its container port ``rdzv_port`` become the c10d rendezvous
-endpoint of the others (it itself uses ``localhost``), which are then created. If creating any
-of them fails, or one is not running within ``ready_timeout_s``, every instance created is
-destroyed and the error names them. That mapped port carries the rendezvous only: the
-process group's store and gloo/NCCL then connect to each machine's own address (the one its
-script finds, or that of ``network_interface``) on ports not mapped, so a multi-machine job
-trains only where the machines reach each other directly on every port (one private network
-or overlay); behind VastAI's NAT it waits until torch's timeouts end it, billing.
-``dry_run`` and ``submit`` log a warning (:data:`MULTI_MACHINE_WARNING`) for every such job.
-
-Secrets: the API key is read from the environment variable ``api_key_env`` or from the file
-``api_key_file``, and handed to the client in this process: it is never on a command line,
-in the dry run, the handle, a log line or the start-up script. The script stops its own
-instance at the end (``auto_shutdown``) with the instance-scoped key VastAI puts in every
-container (``$CONTAINER_API_KEY``, given to the ``vastai`` CLI as ``VAST_API_KEY`` in its
-environment), after labelling the instance ``ups-exit-STATUS`` so that ``status`` can tell
-success from failure.
+The script stops its own instance at the end (``auto_shutdown``) with the instance-scoped key
+VastAI puts in every container (``$CONTAINER_API_KEY``, given to the ``vastai`` CLI as
+``VAST_API_KEY`` in its environment), after labelling the instance ``ups-exit-STATUS`` so that
+``status`` can tell success from failure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import shlex
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import attrs
 import structlog
 
-from ups.core import LaunchRequest, UsageError, above, at_least, load_config
+from ups.core import JobState, LaunchRequest, UsageError, above, at_least
 
-from .options import CloudOptions, require, within
-from .startup import (
-    EXIT_FILE,
-    StartupScript,
-    _as_tuple,
-    machine_files,
-    machine_request,
-    node_upload_url,
-)
+from ._cloud import CloudLauncher, Row
+from .options import CloudOptions, require, seconds, within
+from .startup import EXIT_FILE, StartupScript, machine_request
 
 log = structlog.get_logger()
 
-State = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
-HANDLE_PREFIX = "vastai:"
 DEFAULT_URL = "https://console.vast.ai"
 EXIT_LABEL = "ups-exit-"
 """The label the start-up script gives its instance at the end, followed by the exit status."""
@@ -89,10 +73,14 @@ class VastAIError(RuntimeError):
     """VastAI refused or failed a request; the message is one line and names what was left."""
 
 
+class _GoneError(VastAIError):
+    """The server answered 404: the instance asked for does not exist (any more)."""
+
+
 @attrs.frozen(kw_only=True)
 class VastAILauncherOptions(CloudOptions):
     """Options of the ``vastai`` launcher (and those of :class:`~ups.cloud.options.CloudOptions`:
-    ``api_key_file``, ``upload_url``)."""
+    ``api_key_file``, ``upload_url``, ``packages``, ``files``, ...)."""
 
     gpu_name: str | None = None
     """The GPU model as VastAI names it (``"RTX 4090"``, ``"H100 SXM"``; ``_`` for spaces is
@@ -106,31 +94,14 @@ class VastAILauncherOptions(CloudOptions):
     image: str = "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"
     disk_gb: float = attrs.field(default=40.0, validator=above(0))
     api_key_env: str = "VAST_API_KEY"
-    """The environment variable holding the API key (read when ``api_key_file`` is unset)."""
     url: str = DEFAULT_URL
-    """The VastAI server."""
-    ready_timeout_s: float = attrs.field(default=900.0, validator=above(0))
-    """How long an instance may take to be ``running`` before all are destroyed."""
-    poll_s: float = attrs.field(default=10.0, validator=above(0))
+    poll_s: float = seconds(10.0)
     retries: int = attrs.field(default=6, validator=at_least(1))
     """Attempts per request answered 429 or 502/503/504 (the client waits between them: see
     the module doc)."""
-    auto_shutdown: bool = True
-    """Stop the instance when the script ends, so that only its disk bills."""
     shutdown_action: Literal["stop", "destroy"] = "stop"
     """``stop`` keeps the disk, the logs and the exit label; ``destroy`` removes everything."""
-    packages: Mapping[str, str] | None = None
-    """Distributions to install on the machine at exact versions (name -> version)."""
-    files: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
-    """Further files the run needs (e.g. a model module), as paths relative to the working
-    directory: read at launch and written on each machine at the same relative path, beside
-    the config (see :func:`ups.cloud.startup.machine_files`)."""
-    data_step: str | None = None
     rdzv_port: int = 29500
-    network_interface: str | None = None
-    """The NIC on which the machines of a multi-machine job reach each other directly (every
-    port: see :data:`MULTI_MACHINE_WARNING`); ``None``: each machine's script finds it
-    (:attr:`ups.cloud.startup.StartupScript.network_interface`)."""
     label: str = "ups"
 
 
@@ -158,7 +129,8 @@ def _http_error(action: str, error: Exception) -> Exception:
                 f"vastai: {action}: rate limited (HTTP 429) after retrying with backoff; "
                 "try again later"
             )
-        return VastAIError(f"vastai: {action}: the server answered HTTP {code}")
+        found = _GoneError if code == 404 else VastAIError
+        return found(f"vastai: {action}: the server answered HTTP {code}")
     return VastAIError(f"vastai: {action}: {type(error).__name__}")
 
 
@@ -180,26 +152,36 @@ def _retry(action: str, call: Callable[[], _T]) -> _T:
         raise _http_error(action, error) from None
 
 
-class VastAILauncher:
+class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]]):
     """Runs configs on VastAI instances (see the module doc)."""
+
+    NAME = "vastai"
+    ERROR = VastAIError
+    DELETE = ("destroy", "destroyed")
 
     def __init__(self, *, options: VastAILauncherOptions) -> None:
         """:raises UsageError: the ``vastai`` client is not installed (every method needs it,
         the dry run's create requests included)."""
         require("vastai.api", VASTAI_INSTALL, "the vastai launcher")
-        self.options = options
-        self._key = options.api_key("vastai")
+        super().__init__(options=options)
+        self._vast: Any = None
 
     # -- the API key and the client -----------------------------------------------------------
 
     def _client(self) -> Any:
-        from vastai.api.client import VastClient  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        """The ``vastai`` client, with the key (made once).
 
-        return VastClient(
-            api_key=self._key.read(),
-            server_url=self.options.url.rstrip("/"),
-            retry=self.options.retries,
-        )
+        :raises UsageError: the key cannot be read.
+        """
+        if self._vast is None:
+            from vastai.api.client import VastClient  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+            self._vast = VastClient(
+                api_key=self._key.read(),
+                server_url=self.options.url.rstrip("/"),
+                retry=self.options.retries,
+            )
+        return self._vast
 
     # -- offers ---------------------------------------------------------------------------------
 
@@ -264,30 +246,18 @@ class VastAILauncher:
 
     def script(self, request: LaunchRequest, node_rank: int, rdzv: tuple[str, int] | None) -> str:
         """The start-up script of machine ``node_rank`` (``rdzv``: the first one's endpoint)."""
-        o = self.options
         if request.nnodes == 1 or node_rank == 0:
-            host, port = "localhost", o.rdzv_port
-        else:
-            assert rdzv is not None
-            host, port = rdzv
-        startup = StartupScript(
-            request=machine_request(request),
-            files=machine_files(request, o.files),
-            packages=o.packages,
-            data_step=o.data_step,
+            rdzv = "localhost", self.options.rdzv_port
+        assert rdzv is not None
+        host, port = rdzv
+        return self._script(
+            request,
+            node_rank,
+            host,
             nproc_per_node=self._num_gpus(request),
-            node_rank=node_rank,
-            rdzv_host=host if request.nnodes > 1 else None,
             rdzv_port=port,
-            network_interface=o.network_interface,
-            max_restarts=load_config(request.config, request.overrides).distributed.max_restarts,
-            upload_url=node_upload_url(o.upload_url, node_rank),
-            auto_shutdown=o.auto_shutdown,
             shutdown_command=self.shutdown_command(request),
         )
-        text = startup.render()
-        self._key.refuse_in(text, "the start-up script")
-        return text
 
     def shutdown_command(self, request: LaunchRequest) -> str:
         """What the script runs at the end: label the instance with the exit status, then stop
@@ -320,7 +290,7 @@ class VastAILauncher:
     def dry_run(self, request: LaunchRequest) -> str:
         """The offer query, the chosen offers and hourly cost (when a key is set: the search is
         read-only), and each create request with its start-up script. No key appears."""
-        _check_request(request)
+        self._check_request(request)
         query = self.query(request)
         lines = [
             f"# vastai: {request.nnodes} machine(s) of {self._num_gpus(request)} GPU(s) "
@@ -363,50 +333,28 @@ class VastAILauncher:
         """Create the instances and wait until they run; return ``vastai:ID1,ID2,...``.
 
         Whatever fails after the first instance is created destroys every instance created."""
-        _check_request(request)
-        client = self._client()
-        offers = self.choose_offers(client, request)
+        self._check_request(request)
+        offers = self.choose_offers(self._client(), request)
         _warn_multi_machine(request)  # once the key and the offers are good
-        created: list[int] = []
-        try:
-            rdzv: tuple[str, int] | None = None
-            for rank, offer in enumerate(offers):
-                created.append(self._create(client, request, offer, rank, rdzv))
-                if rank == 0:
-                    first = self._wait_running(client, created[0])
-                    if request.nnodes > 1:
-                        rdzv = _endpoint(first, self.options.rdzv_port, created[0])
-            for instance_id in created[1:]:
-                self._wait_running(client, instance_id)
-        except BaseException as error:
-            left = self._destroy_all(client, created)
-            done = f"destroyed instance(s) {_ids(created)}" if created else "nothing was created"
-            if left:
-                done += f"; FAILED to destroy {_ids(left)}: destroy them yourself"
-            message = f"{error} ({done})"
-            if isinstance(error, UsageError):
-                raise UsageError(message) from None
-            if isinstance(error, Exception):
-                raise VastAIError(message) from None
-            raise
-        handle = HANDLE_PREFIX + ",".join(str(i) for i in created)
+        handle = self._start(
+            request, lambda rank, rdzv: self._create(request, offers[rank], rank, rdzv)
+        )
         log.info("vastai job submitted", handle=handle)
         return handle
 
-    def status(self, handle: str) -> State:
+    def status(self, handle: str) -> JobState:
         """``PENDING`` until every instance runs, then ``RUNNING``; at the end, from the label
         the script sets, ``SUCCEEDED`` or ``FAILED``; ``CANCELLED`` once destroyed."""
-        client = self._client()
-        states = [self._state(client, i) for i in _parse(handle)]
-        order: tuple[State, ...] = ("FAILED", "CANCELLED", "RUNNING", "PENDING")
-        return next((state for state in order if state in states), "SUCCEEDED")
+        states = [self._state(i) for i in self._ids(handle)]
+        order = (JobState.FAILED, JobState.CANCELLED, JobState.RUNNING, JobState.PENDING)
+        return next((state for state in order if state in states), JobState.SUCCEEDED)
 
     def logs(self, handle: str) -> str:
         """Every instance's log (its on-start script's output), the first machine first."""
         from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
         client = self._client()
-        ids = _parse(handle)
+        ids = self._ids(handle)
         parts = []
         for rank, instance_id in enumerate(ids):
             text = _retry(
@@ -420,18 +368,18 @@ class VastAILauncher:
             )
         return "\n".join(parts)
 
-    def cancel(self, handle: str) -> None:
-        """Destroy every instance of the job (those already gone are skipped)."""
-        client = self._client()
-        left = self._destroy_all(client, _parse(handle))
-        if left:
-            raise VastAIError(f"vastai: could not destroy instance(s) {_ids(left)}")
+    # -- the instances ------------------------------------------------------------------------
 
-    # -- helpers ----------------------------------------------------------------------------------
+    def _check_request(self, request: LaunchRequest) -> None:
+        super()._check_request(request)
+        if request.nproc_per_node < 1:
+            raise UsageError(f"vastai: nproc_per_node must be >= 1, not {request.nproc_per_node}")
+
+    def _parse_id(self, text: str) -> int:
+        return int(text)
 
     def _create(
         self,
-        client: Any,
         request: LaunchRequest,
         offer: Mapping[str, Any],
         rank: int,
@@ -442,7 +390,7 @@ class VastAILauncher:
         payload = self.create_payload(request, self.script(request, rank, rdzv))
         answer = _retry(
             f"create an instance from offer {offer['id']}",
-            lambda: instances.create_instance_from_payload(client, offer["id"], payload),
+            lambda: instances.create_instance_from_payload(self._client(), offer["id"], payload),
         )
         instance_id = answer.get("new_contract") if isinstance(answer, dict) else None
         if not isinstance(instance_id, int):
@@ -450,78 +398,73 @@ class VastAILauncher:
         log.info("vastai instance created", instance=instance_id, offer=offer["id"], node=rank)
         return instance_id
 
-    def _show(self, client: Any, instance_id: int) -> dict[str, Any] | None:
-        """The instance's row; ``None`` when it does not exist (any more)."""
-        import requests
+    def _show(self, instance_id: int) -> Row | None:
         from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
         try:
-            row: dict[str, Any] | None = instances.show_instance(client, instance_id)
-        except requests.HTTPError as error:
-            if error.response is not None and error.response.status_code == 404:
-                return None
-            raise _http_error(f"show instance {instance_id}", error) from None
-        except requests.RequestException as error:
-            raise _http_error(f"show instance {instance_id}", error) from None
+            row: Row | None = _retry(
+                f"show instance {instance_id}",
+                lambda: instances.show_instance(self._client(), instance_id),
+            )
+        except _GoneError:
+            return None
         return row
 
-    def _wait_running(self, client: Any, instance_id: int) -> dict[str, Any]:
-        deadline = time.monotonic() + self.options.ready_timeout_s
-        last = "unknown"
-        while True:
-            row = self._show(client, instance_id)
-            if row is None:
-                raise VastAIError(f"vastai: instance {instance_id} disappeared while starting")
-            last = str(row.get("actual_status"))
-            if last == "running":
-                return row
-            if last in ("exited", "offline") or row.get("intended_status") == "stopped":
-                message = row.get("status_msg") or last
-                raise VastAIError(f"vastai: instance {instance_id} failed to start: {message}")
-            if time.monotonic() >= deadline:
-                raise VastAIError(
-                    f"vastai: instance {instance_id} was not running after "
-                    f"{self.options.ready_timeout_s:g}s (last status {last!r})"
-                )
-            time.sleep(self.options.poll_s)
+    def _ready(self, instance_id: int, row: Row, rendezvous: bool) -> bool:
+        status = row.get("actual_status")
+        if status in ("exited", "offline") or row.get("intended_status") == "stopped":
+            message = row.get("status_msg") or status
+            raise VastAIError(f"vastai: instance {instance_id} failed to start: {message}")
+        return status == "running"
 
-    def _state(self, client: Any, instance_id: int) -> State:
-        row = self._show(client, instance_id)
-        if row is None or row.get("intended_status") == "destroyed":
-            return "CANCELLED"
-        label = str(row.get("label") or "")
-        if label.startswith(EXIT_LABEL):
-            return "SUCCEEDED" if label[len(EXIT_LABEL) :].strip() == "0" else "FAILED"
-        actual = row.get("actual_status")
-        if actual == "running":
-            return "RUNNING"
-        if actual in ("exited", "stopped", "offline"):
-            return "FAILED"  # ended without the script's exit label
-        return "PENDING"
+    def _late(self, instance_id: int, row: Row, rendezvous: bool) -> Exception:
+        return VastAIError(
+            f"vastai: instance {instance_id} was not running after "
+            f"{self.options.ready_timeout_s:g}s (last status {str(row.get('actual_status'))!r})"
+        )
 
-    def _destroy_all(self, client: Any, ids: Sequence[int]) -> list[int]:
-        """Destroy ``ids``; return those that could not be destroyed."""
-        import requests
+    def _rendezvous(self, instance_id: int, row: Row) -> tuple[str, int]:
+        port = self.options.rdzv_port
+        host = row.get("public_ipaddr")
+        mapped = ((row.get("ports") or {}).get(f"{port}/tcp") or [{}])[0].get("HostPort")
+        if not host or not mapped:
+            raise VastAIError(
+                f"vastai: instance {instance_id} runs but shows no public address or mapping "
+                f"of port {port}/tcp for the rendezvous"
+            )
+        return str(host).strip(), int(mapped)
+
+    def _delete(self, instance_id: int) -> None:
         from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
-        left = []
-        for instance_id in ids:
-            try:
-                instances.destroy_instance(client, instance_id)
-                log.info("vastai instance destroyed", instance=instance_id)
-            except requests.HTTPError as error:
-                if error.response is None or error.response.status_code != 404:
-                    left.append(instance_id)
-            except requests.RequestException:
-                left.append(instance_id)
-        return left
+        with contextlib.suppress(_GoneError):  # gone already
+            _retry(
+                f"destroy instance {instance_id}",
+                lambda: instances.destroy_instance(self._client(), instance_id),
+            )
 
+    def _rolled_back(
+        self, error: BaseException, created: Sequence[int], left: Mapping[int, str]
+    ) -> str:
+        done = f"destroyed instance(s) {_ids(created)}" if created else "nothing was created"
+        if left:
+            done += f"; FAILED to destroy {_ids(left)}: destroy them yourself"
+        return f"{error} ({done})"
 
-def _check_request(request: LaunchRequest) -> None:
-    if request.nnodes < 1:
-        raise UsageError(f"vastai: nnodes must be >= 1, not {request.nnodes}")
-    if request.nproc_per_node < 1:
-        raise UsageError(f"vastai: nproc_per_node must be >= 1, not {request.nproc_per_node}")
+    def _state(self, instance_id: int) -> JobState:
+        row = self._show(instance_id)
+        if row is None or row.get("intended_status") == "destroyed":
+            return JobState.CANCELLED
+        label = str(row.get("label") or "")
+        if label.startswith(EXIT_LABEL):
+            code = label[len(EXIT_LABEL) :].strip()
+            return JobState.SUCCEEDED if code == "0" else JobState.FAILED
+        actual = row.get("actual_status")
+        if actual == "running":
+            return JobState.RUNNING
+        if actual in ("exited", "stopped", "offline"):
+            return JobState.FAILED  # ended without the script's exit label
+        return JobState.PENDING
 
 
 def _warn_multi_machine(request: LaunchRequest) -> None:
@@ -533,30 +476,8 @@ def _single(request: LaunchRequest) -> LaunchRequest:
     return attrs.evolve(request, nnodes=1)
 
 
-def _parse(handle: str) -> list[int]:
-    body = handle[len(HANDLE_PREFIX) :] if handle.startswith(HANDLE_PREFIX) else handle
-    try:
-        ids = [int(part) for part in body.split(",")]
-    except ValueError:
-        raise UsageError(
-            f"vastai: {handle!r} is not a handle of this launcher (vastai:ID1,ID2,...)"
-        ) from None
-    return ids
-
-
-def _ids(ids: Sequence[int]) -> str:
+def _ids(ids: Iterable[int]) -> str:
     return ", ".join(str(i) for i in ids)
-
-
-def _endpoint(row: Mapping[str, Any], port: int, instance_id: int) -> tuple[str, int]:
-    host = row.get("public_ipaddr")
-    mapped = ((row.get("ports") or {}).get(f"{port}/tcp") or [{}])[0].get("HostPort")
-    if not host or not mapped:
-        raise VastAIError(
-            f"vastai: instance {instance_id} runs but shows no public address or mapping of "
-            f"port {port}/tcp for the rendezvous"
-        )
-    return str(host).strip(), int(mapped)
 
 
 def _query_text(query: Mapping[str, Any]) -> str:

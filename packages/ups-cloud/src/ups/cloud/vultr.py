@@ -1,18 +1,13 @@
 """The ``vultr`` launcher: Vultr cloud GPU instances over the v2 REST API, one per machine.
 
-``submit`` checks the plan and region (``GET /plans``, ``GET /regions``), then creates one
-instance per machine (``POST /instances``) with the start-up script of :mod:`ups.cloud.startup`
-as its user data (base64; cloud-init runs it once at first boot), and waits until each is
-``active``. With several machines every instance joins a VPC (``vpc_id``, or ``enable_vpc``:
-the region's default one) and the first is created alone: the others are created once its
-private address (``internal_ip``) is known, and their scripts hold it as the rendezvous host.
-Each machine's script finds its own address and NIC on the VPC (the one with a private address
-beside the public NIC, or the route to the first machine; ``network_interface`` names it
-instead) and forms the process group over it (see
-:attr:`ups.cloud.startup.StartupScript.network_interface`).
-If creating any instance fails, or one is not ready within ``ready_timeout_s``, every instance
-created is deleted and the error says so. The handle is ``vultr:ID1,ID2,...`` (first machine
-first); it holds no secret.
+``submit`` checks the plan and region (``GET /plans``, ``GET /regions``), then creates the
+instances (``POST /instances``) as every cloud launcher does (:mod:`ups.cloud._cloud`: the first
+alone, all deleted if any step fails; the handle ``vultr:ID1,ID2,...``), each with its start-up
+script (:mod:`ups.cloud.startup`) as its user data (base64; cloud-init runs it once at first
+boot), and waits until each is ``active``. With several machines every instance joins a VPC
+(``vpc_id``, or ``enable_vpc``: the region's default one), and the first one's private address
+(``internal_ip``) is the others' rendezvous host; each machine's script finds its own address
+and NIC on the VPC (see :attr:`ups.cloud.startup.StartupScript.network_interface`).
 
 Vultr has no API for an instance's console output, so:
 
@@ -28,17 +23,12 @@ Vultr has no API for an instance's console output, so:
 
 A stopped Vultr instance is billed as a running one is, and only a delete ends the bill. The
 machines cannot delete themselves (that needs the account's API key, which never goes to a
-machine), so ``status`` does it: once every machine has stopped and uploaded its run folder to
-``upload_url`` (the exit status, uploaded last, says so), ``status`` deletes them all. Without
-``upload_url`` the results live only on the machines' disks, so they are kept, and billed,
-until ``cancel`` (``DELETE /instances/ID``); ``submit`` and the dry run say so. ``ups logs
---follow`` asks for the status until the job ends, so following a job that uploads also ends
-its bill; a ``STOPPED`` job says that it is still billed.
+machine), so ``status`` deletes them once every machine has uploaded its run folder (the exit
+status, uploaded last, says so). Without ``upload_url`` the results live only on the machines'
+disks, so they are kept, and billed, until ``cancel``; ``submit`` and the dry run say so.
 
-The API key comes from the environment (``api_key_env``, ``VULTR_API_KEY``) or from a file the
-user names (``api_key_file``), and is sent only as the ``Authorization: Bearer`` header: never
-written to the start-up script, the dry-run text, the handle or the log. Requests that fail with
-429 are retried after ``Retry-After``, and reads and deletes that fail with 5xx with exponential
+The API key is sent only as the ``Authorization: Bearer`` header. Requests that fail with 429
+are retried after ``Retry-After``, and reads and deletes that fail with 5xx with exponential
 backoff (urllib3's ``Retry``); a create is not retried after a 5xx, which may have created it.
 """
 
@@ -47,7 +37,6 @@ from __future__ import annotations
 import base64
 import difflib
 import json
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -57,22 +46,14 @@ import structlog
 from requests.adapters import HTTPAdapter  # type: ignore[import-untyped, unused-ignore]
 from urllib3.util.retry import Retry
 
-from ups.core import LaunchRequest, UsageError, above, load_config
+from ups.core import JobState, LaunchRequest, UsageError, load_config
 
-from .options import CloudOptions, check_readable_here
-from .startup import (
-    EXIT_FILE,
-    LOG_FILE,
-    StartupScript,
-    _as_tuple,
-    machine_files,
-    machine_request,
-    node_upload_url,
-)
+from ._cloud import CloudLauncher, Row
+from .options import CloudOptions, check_readable_here, seconds
+from .startup import EXIT_FILE, LOG_FILE
 
 log = structlog.get_logger()
 
-HANDLE_PREFIX = "vultr:"
 DEFAULT_BASE_URL = "https://api.vultr.com/v2"
 DEFAULT_OS_ID = 1743
 """Ubuntu 22.04 x64 in Vultr's ``GET /os`` list."""
@@ -82,8 +63,6 @@ FIRST_MACHINE_RDZV_HOST = "127.0.0.1"
 """The rendezvous endpoint's host on the first machine of several (the others: its internal_ip)."""
 _REDACTED = "<redacted>"
 _RETRY_STATUSES = (429, 500, 502, 503, 504)
-
-State = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED", "CANCELLED"]
 
 
 class VultrError(RuntimeError):
@@ -97,7 +76,7 @@ READS_UPLOAD = "reading it here (ups status, ups logs)"
 @attrs.frozen(kw_only=True)
 class VultrLauncherOptions(CloudOptions):
     """Options of the ``vultr`` launcher (and those of :class:`~ups.cloud.options.CloudOptions`:
-    ``api_key_file``, ``upload_url``)."""
+    ``api_key_file``, ``upload_url``, ``packages``, ``files``, ...)."""
 
     plan: str
     """The plan of every machine, e.g. ``vcg-a100-1c-6g-4vram`` (``GET /plans?type=vcg``)."""
@@ -109,44 +88,30 @@ class VultrLauncherOptions(CloudOptions):
     """A marketplace application image instead of ``os_id``."""
     vpc_id: str | None = None
     """The VPC the machines of a multi-machine job join; default: the region's default VPC."""
-    network_interface: str | None = None
-    """The NIC (e.g. ``enp8s0``) on which the machines of a multi-machine job reach each other;
-    ``None``: each machine finds its VPC NIC at start (the rule:
-    :attr:`ups.cloud.startup.StartupScript.network_interface`)."""
     api_key_env: str = "VULTR_API_KEY"
-    """The environment variable that holds the API key."""
-    base_url: str = DEFAULT_BASE_URL
-    """The API's root URL."""
-    ready_timeout_s: float = attrs.field(default=900.0, validator=above(0))
-    """How long ``submit`` waits for each instance to become active before deleting them all."""
-    poll_s: float = attrs.field(default=5.0, validator=above(0))
-    """Seconds between two looks at a pending instance."""
-    request_timeout_s: float = attrs.field(default=30.0, validator=above(0))
+    url: str = DEFAULT_BASE_URL
+    base_url: str | None = None
+    """The former name of ``url``, still read."""
+    request_timeout_s: float = seconds(30.0)
     retries: int = 5
     """How often a request that fails with 429 or (not a create) 5xx is tried again."""
     backoff_s: float = 1.0
     """urllib3's backoff factor for 5xx retries: 0, 2x, 4x, ... seconds (429 waits ``Retry-After``)."""
-    auto_shutdown: bool = True
-    """Shut each machine down when its script ends. A stopped instance still bills: ``status``
-    deletes the machines once they have uploaded to ``upload_url`` (else ``cancel`` does)."""
-    packages: Mapping[str, str] | None = None
-    """Distributions the script installs on each machine, name -> exact version."""
     python: str = "python3"
     """The Python on the machine that installs, trains and uploads."""
-    data_step: str | None = None
-    """A shell command run on each machine before training."""
     nproc_per_node: int | Literal["gpu"] | None = "gpu"
     """Processes per machine: a number, ``"gpu"`` (one per GPU) or ``None`` (the request's)."""
-    files: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
-    """Further files the run needs (e.g. a model module), as paths relative to the working
-    directory: read at launch and written on each machine at the same relative path, beside
-    the config (see :func:`ups.cloud.startup.machine_files`)."""
     label_prefix: str = "ups"
     """Instances are labelled ``<label_prefix>-<run name>-<machine rank>``."""
 
     def __attrs_post_init__(self) -> None:
         if self.os_id is not None and self.image_id is not None:
             raise ValueError("give os_id or image_id, not both")
+        if self.base_url is not None:
+            if self.url != DEFAULT_BASE_URL:
+                raise ValueError("give url or base_url (its former name), not both")
+            object.__setattr__(self, "url", self.base_url)
+            object.__setattr__(self, "base_url", None)
 
 
 @attrs.frozen
@@ -169,14 +134,16 @@ class _Retry(Retry):
         return super().is_retry(method, status_code, has_retry_after)
 
 
-class VultrLauncher:
+class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
     """Runs configs on Vultr instances (see the module doc)."""
 
+    NAME = "vultr"
+    ERROR = VultrError
+
     def __init__(self, *, options: VultrLauncherOptions) -> None:
-        self.options = options
-        self.base_url = options.base_url.rstrip("/")
+        super().__init__(options=options)
+        self.base_url = options.url.rstrip("/")
         self._session: requests.Session | None = None
-        self._key = options.api_key("vultr")
 
     # -- the Launcher protocol ----------------------------------------------------------------
 
@@ -230,54 +197,39 @@ class VultrLauncher:
         check_readable_here(self.options.upload_url, READS_UPLOAD)
         self._key.read()
         self._check_plan_region()
-        created: list[str] = []
-        try:
-            first = self._create(request, name, 0, None, created)
-            host: str | None = None
-            if request.nnodes > 1:
-                instance = self._wait_ready(first, need_private_ip=True)
-                host = str(instance["internal_ip"])
-            for rank in range(1, request.nnodes):
-                self._create(request, name, rank, host, created)
-            for instance_id in created:
-                self._wait_ready(instance_id)
-        except BaseException as error:
-            raise self._rolled_back(error, created, request.nnodes) from error
-        handle = HANDLE_PREFIX + ",".join(created)
+        handle = self._start(request, lambda rank, host: self._create(request, name, rank, host))
         log.info("vultr job submitted", run=name, handle=handle, billing=self._billing_note())
         return handle
 
-    def status(self, handle: str) -> State:
+    def status(self, handle: str) -> JobState:
         """See the module doc."""
         ids = self._ids(handle)
-        instances = [self._instance(i) for i in ids]
+        instances = [self._show(i) for i in ids]
         if all(i is None for i in instances):
-            return _ended(self._read_upload(EXIT_FILE), otherwise="CANCELLED")
+            return _ended(self._read_upload(EXIT_FILE), otherwise=JobState.CANCELLED)
         if any(i is None for i in instances):
-            return "FAILED"  # some machines deleted under a running job
+            return JobState.FAILED  # some machines deleted under a running job
         if any(i["status"] != "active" for i in instances if i is not None):
-            return "PENDING"
+            return JobState.PENDING
         if any(i is not None and i.get("power_status") != "stopped" for i in instances):
             # The job has ended only once every machine has (each uploads, then stops).
             if any(i.get("server_status") != "ok" for i in instances if i is not None):
-                return "PENDING"
-            return "RUNNING"
+                return JobState.PENDING
+            return JobState.RUNNING
         if not self._uploaded(len(ids)):
             # Some results are only on the machines' disks: they are kept, and billed.
             log.warning(
                 "stopped Vultr instances are still billed; cancel the job to delete them once "
                 "their results are copied (with upload_url, status deletes them itself)"
             )
-            return "STOPPED"
+            return JobState.STOPPED
         # Every machine has ended and uploaded its run folder (the exit status goes last):
         # nothing on them is needed any more, and a stopped Vultr instance bills as a running
         # one does.
-        left = self._delete_all(ids)
-        if left:
-            log.warning("could not delete finished Vultr instances", left=left)
-            return "STOPPED"
+        if self._delete_all(ids):
+            return JobState.STOPPED
         log.info("the job ended; its machines were deleted", handle=handle)
-        return _ended(self._read_upload(EXIT_FILE), otherwise="STOPPED")
+        return _ended(self._read_upload(EXIT_FILE), otherwise=JobState.STOPPED)
 
     def logs(self, handle: str) -> str:
         """The first machine's ``startup.log`` from ``upload_url`` once uploaded; until then,
@@ -289,7 +241,7 @@ class VultrLauncher:
         where = f"/root/ups/runs/{LOG_FILE}"
         hosts = []
         for instance_id in ids:
-            instance = self._instance(instance_id)
+            instance = self._show(instance_id)
             hosts.append(f"{instance_id} ({instance['main_ip'] if instance else 'deleted'})")
         upload = (
             f"it is uploaded to {self.options.upload_url}/{LOG_FILE} when the job ends"
@@ -300,12 +252,6 @@ class VultrLauncher:
             f"Vultr keeps no console output: the log is {where} on each machine "
             f"(ssh root@IP): {', '.join(hosts)}; {upload}.\n"
         )
-
-    def cancel(self, handle: str) -> None:
-        """Delete every instance of the job (``DELETE /instances/ID``); gone ones are skipped."""
-        left = self._delete_all(self._ids(handle))
-        if left:
-            raise VultrError(f"could not delete Vultr instance(s) {'; '.join(left)}")
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -394,7 +340,14 @@ class VultrLauncher:
             query["cursor"] = cursor
         return items
 
-    def _instance(self, instance_id: str) -> dict[str, Any] | None:
+    # -- the instances ------------------------------------------------------------------------
+
+    def _parse_id(self, text: str) -> str:
+        if not (text and text.replace("-", "").isalnum()):
+            raise ValueError(text)
+        return text
+
+    def _show(self, instance_id: str) -> Row | None:
         data = self._call("GET", f"/instances/{instance_id}", ok_missing=True)
         if data is None:
             return None
@@ -406,8 +359,7 @@ class VultrLauncher:
     # -- submit's steps -----------------------------------------------------------------------
 
     def _run_name(self, request: LaunchRequest) -> str:
-        if request.nnodes < 1:
-            raise UsageError(f"nnodes must be >= 1, not {request.nnodes}")
+        self._check_request(request)
         return load_config(request.config, request.overrides).run.name
 
     def _check_plan_region(self) -> dict[str, Any]:
@@ -459,30 +411,19 @@ class VultrLauncher:
             return "without upload_url they are kept for their results until `ups cancel`"
         return "`ups status` deletes them once they have stopped and uploaded their results"
 
-    def _script(self, request: LaunchRequest, name: str, rank: int, host: str | None) -> str:
+    def _script_of(self, request: LaunchRequest, name: str, rank: int, host: str | None) -> str:
         o = self.options
-        script = StartupScript(
-            request=machine_request(request),
-            files=machine_files(request, o.files),
+        # The first machine serves the rendezvous itself: torch takes a loopback endpoint for
+        # its own, and the store listens on every interface (the VPC's included); the script
+        # finds each machine's VPC address for the process group.
+        return self._script(
+            request,
+            rank,
+            FIRST_MACHINE_RDZV_HOST if rank == 0 else host,
             python=o.python,
-            packages=o.packages,
-            data_step=o.data_step,
             nproc_per_node=o.nproc_per_node,
-            node_rank=rank,
-            # The first machine serves the rendezvous itself: torch takes a loopback endpoint
-            # for its own, and the store listens on every interface (the VPC's included);
-            # the script finds each machine's VPC address for the process group.
-            rdzv_host=(FIRST_MACHINE_RDZV_HOST if rank == 0 else host)
-            if request.nnodes > 1
-            else None,
             rdzv_id=f"{o.label_prefix}-{name}",
-            network_interface=o.network_interface,
-            max_restarts=load_config(request.config, request.overrides).distributed.max_restarts,
-            upload_url=node_upload_url(o.upload_url, rank),
-            auto_shutdown=o.auto_shutdown,
-        ).render()
-        self._key.refuse_in(script, "the start-up script")
-        return script
+        )
 
     def _create_body(
         self, request: LaunchRequest, name: str, rank: int, host: str | None
@@ -494,7 +435,7 @@ class VultrLauncher:
             "label": f"{o.label_prefix}-{name}-{rank}",
             "tags": [o.label_prefix],
             "user_data": base64.b64encode(
-                self._script(request, name, rank, host).encode()
+                self._script_of(request, name, rank, host).encode()
             ).decode(),
             "activation_email": False,
         }
@@ -509,9 +450,7 @@ class VultrLauncher:
                 body["enable_vpc"] = True
         return body
 
-    def _create(
-        self, request: LaunchRequest, name: str, rank: int, host: str | None, created: list[str]
-    ) -> str:
+    def _create(self, request: LaunchRequest, name: str, rank: int, host: str | None) -> str:
         body = self._create_body(request, name, rank, host)
         try:
             data = self._call("POST", "/instances", body=body) or {}
@@ -522,64 +461,40 @@ class VultrLauncher:
         instance_id = str((data.get("instance") or {}).get("id") or "")
         if not instance_id:
             raise VultrError("Vultr API POST /instances: no instance id in the answer")
-        created.append(instance_id)
-        log.info("vultr instance created", id=instance_id, rank=rank, label=body["label"])
+        log.info("vultr instance created", instance=instance_id, rank=rank, label=body["label"])
         return instance_id
 
-    def _wait_ready(self, instance_id: str, *, need_private_ip: bool = False) -> dict[str, Any]:
-        deadline = time.monotonic() + self.options.ready_timeout_s
-        while True:
-            instance = self._instance(instance_id)
-            if instance is None:
-                raise VultrError(f"Vultr instance {instance_id} disappeared while starting")
-            ready = instance.get("status") == "active"
-            if need_private_ip:
-                ready = ready and bool(instance.get("internal_ip"))
-            if ready:
-                return instance
-            if time.monotonic() >= deadline:
-                raise VultrError(
-                    f"Vultr instance {instance_id} was not ready within "
-                    f"{self.options.ready_timeout_s:g} s (status {instance.get('status')}, "
-                    f"server_status {instance.get('server_status')}"
-                    + (", no internal_ip" if need_private_ip else "")
-                    + ")"
-                )
-            time.sleep(self.options.poll_s)
+    def _ready(self, instance_id: str, row: Row, rendezvous: bool) -> bool:
+        return row.get("status") == "active" and (bool(row.get("internal_ip")) or not rendezvous)
 
-    def _delete_all(self, ids: Sequence[str]) -> list[str]:
-        """Delete each instance; the ones that could not be, with why."""
-        left = []
-        for instance_id in ids:
-            try:
-                self._call("DELETE", f"/instances/{instance_id}", ok_missing=True)
-                log.info("vultr instance deleted", id=instance_id)
-            except (VultrError, UsageError) as error:
-                left.append(f"{instance_id} ({error})")
-        return left
+    def _late(self, instance_id: str, row: Row, rendezvous: bool) -> Exception:
+        return VultrError(
+            f"Vultr instance {instance_id} was not ready within "
+            f"{self.options.ready_timeout_s:g} s (status {row.get('status')}, "
+            f"server_status {row.get('server_status')}"
+            + (", no internal_ip" if rendezvous else "")
+            + ")"
+        )
 
-    def _rolled_back(self, error: BaseException, created: list[str], nnodes: int) -> BaseException:
+    def _rendezvous(self, instance_id: str, row: Row) -> str:
+        return str(row["internal_ip"])
+
+    def _delete(self, instance_id: str) -> None:
+        self._call("DELETE", f"/instances/{instance_id}", ok_missing=True)
+
+    def _rolled_back(
+        self, error: BaseException, created: Sequence[str], left: Mapping[str, str]
+    ) -> str:
         if not created:
-            return error
-        left = self._delete_all(created)
-        deleted = [i for i in created if not any(x.startswith(i + " ") for x in left)]
+            return str(error)
+        deleted = [i for i in created if i not in left]
         message = f"{error}; deleted the {len(deleted)} instance(s) created: {', '.join(deleted) or 'none'}"
         if left:
-            message += f"; COULD NOT DELETE (still billing, delete them in the Vultr console): {'; '.join(left)}"
-        if isinstance(error, UsageError):
-            return UsageError(message)
-        if isinstance(error, Exception):
-            return VultrError(message)
-        log.error("submit interrupted", deleted=deleted, left=left)
-        return error
+            message += "; COULD NOT DELETE (still billing, delete them in the Vultr console): "
+            message += "; ".join(f"{i} ({why})" for i, why in left.items())
+        return message
 
-    # -- helpers ------------------------------------------------------------------------------
-
-    def _ids(self, handle: str) -> list[str]:
-        ids = handle[len(HANDLE_PREFIX) :].split(",") if handle.startswith(HANDLE_PREFIX) else []
-        if not ids or not all(i and i.replace("-", "").isalnum() for i in ids):
-            raise UsageError(f"{handle!r} is not a vultr handle (vultr:ID1,ID2,...)")
-        return ids
+    # -- the upload ---------------------------------------------------------------------------
 
     def _uploaded(self, nnodes: int) -> bool:
         """Whether every machine's run folder is uploaded: its exit status, which the upload
@@ -603,11 +518,11 @@ class VultrLauncher:
             return None
 
 
-def _ended(exit_status: str | None, *, otherwise: State) -> State:
+def _ended(exit_status: str | None, *, otherwise: JobState) -> JobState:
     """The state of an ended job from the exit status it uploaded (``otherwise`` without one)."""
     if exit_status is None:
         return otherwise
-    return "SUCCEEDED" if exit_status.strip() == "0" else "FAILED"
+    return JobState.SUCCEEDED if exit_status.strip() == "0" else JobState.FAILED
 
 
 def _is_gpu(plan_id: str, plan: Mapping[str, Any]) -> bool:

@@ -10,6 +10,7 @@ listing the records (``ups plugins``) does not import the modules they need (tor
 from __future__ import annotations
 
 import argparse
+import enum
 import re
 from collections.abc import Mapping, Sized
 from pathlib import Path
@@ -217,10 +218,29 @@ class LaunchRequest:
     run_dir: Path = Path("runs")
 
 
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "STOPPED")
+class JobState(enum.StrEnum):
+    """A job's state, as :meth:`Launcher.status` returns it.
+
+    A ``str`` (``JobState.RUNNING == "RUNNING"``, printed as ``RUNNING``), so a launcher that
+    returns the plain strings works alike.
+    """
+
+    PENDING = "PENDING"
+    """Submitted, not yet running (queued, machines starting)."""
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    """Training exited 0."""
+    FAILED = "FAILED"
+    """Training failed, or the job ended without saying how."""
+    CANCELLED = "CANCELLED"
+    """Cancelled, or its machines are gone."""
+    STOPPED = "STOPPED"
+    """Ended, but its machines are kept, and billed, until ``cancel``."""
+
+
+TERMINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.STOPPED)
 """The states in which a job's work has ended (it does not leave them by itself); a
-:class:`Launcher`'s ``status`` returns one of them or ``PENDING``/``RUNNING``. ``STOPPED``: ended,
-but its machines are kept, and billed, until ``cancel``."""
+:class:`Launcher`'s ``status`` returns one of them or ``PENDING``/``RUNNING``."""
 
 
 class Launcher(Protocol):
@@ -234,8 +254,9 @@ class Launcher(Protocol):
         """Start the job; return a handle that the other methods accept."""
         ...
 
-    def status(self, handle: str) -> str:
-        """The job's state: ``PENDING``, ``RUNNING`` or one of :data:`TERMINAL`."""
+    def status(self, handle: str) -> JobState:
+        """The job's state: ``PENDING``, ``RUNNING`` or one of :data:`TERMINAL` (a
+        :class:`JobState`, or the same string)."""
         ...
 
     def logs(self, handle: str) -> str:
