@@ -52,14 +52,15 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ups.core import (
+    Agreement,
     CheckpointError,
+    Failure,
     FileRecord,
     RunContext,
     UnsafeCheckpointError,
     checksum,
     decide,
     fsync_dir,
-    gather_failures,
 )
 
 from .local import LocalCheckpointer
@@ -89,16 +90,9 @@ class ShardedCheckpointer(LocalCheckpointer):
         """Write this rank's share of the tensors into ``tmp/shards``, and on rank 0 the
         skeleton; on rank 0, return the records of every file written (each rank's shard files
         are checksummed by the rank that wrote them)."""
-        error: Exception | None = None
-        skeleton: dict[str, Any] = {}
-        tensors: dict[str, torch.Tensor] = {}
-        mine: dict[str, _Print] = {}
-        try:
+        with Agreement(self.ctx, _stopped, group=self.group):
             skeleton, tensors = split(state)
             mine = {name: fingerprint(tensor) for name, tensor in tensors.items()}
-        except Exception as caught:  # every rank stops below
-            error = caught
-        self._stop_together(error)
         rank0 = decide(self.ctx, lambda: mine, group=self.group)
         offered = {name: t for name, t in tensors.items() if mine[name] == rank0.get(name)}
         with _one_process_quiet(self.ctx):
@@ -116,15 +110,8 @@ class ShardedCheckpointer(LocalCheckpointer):
 
     def _read_state(self, path: Path) -> dict[str, Any]:
         """Read the skeleton and DCP's index, allocate the tensors, and load them with DCP."""
-        error: Exception | None = None
-        prepared: tuple[dict[str, Any], dict[str, torch.Tensor], Metadata] | None = None
-        try:
-            prepared = _prepare_load(path, self._get(path, SKELETON_FILE))
-        except Exception as caught:  # every rank stops below
-            error = caught
-        self._stop_together(error)
-        assert prepared is not None  # else _stop_together raised
-        state, tensors, metadata = prepared
+        with Agreement(self.ctx, _stopped, group=self.group):
+            state, tensors, metadata = _prepare_load(path, self._get(path, SKELETON_FILE))
         with _one_process_quiet(self.ctx):
             dcp_load(  # in place, into the tensors of ``state``
                 tensors,
@@ -133,17 +120,6 @@ class ShardedCheckpointer(LocalCheckpointer):
                 no_dist=not self.ctx.distributed,
             )
         return state
-
-    def _stop_together(self, error: Exception | None) -> None:
-        """Raise on every rank if any rank failed (this rank's own error, else one naming the
-        ranks that failed), so that no rank enters a collective the others skip; the caller
-        reports every rank's error. A collective."""
-        failed = gather_failures(self.ctx, error, group=self.group)
-        if error is not None:
-            raise error
-        if failed:
-            ranks = ", ".join(str(f.rank) for f in failed)
-            raise CheckpointError(f"stopped: rank{'s' if len(failed) > 1 else ''} {ranks} failed")
 
     def _gather_records(self, shards: Path) -> dict[str, FileRecord]:
         """The records of the shard files each rank wrote, on rank 0 (``{}`` on the others).
@@ -158,6 +134,16 @@ class ShardedCheckpointer(LocalCheckpointer):
         gathered: list[Any] | None = [None] * self.ctx.world_size if self.ctx.is_main else None
         dist.gather_object(mine, gathered, dst=0, group=self.group)
         return {name: r for records in gathered or [] for name, r in records.items()}
+
+
+def _stopped(failed: list[Failure], error: Exception | None) -> Exception:
+    """What a rank raises where a rank failed before a collective of DCP's, so that no rank
+    enters one the others skip: its own error, else one naming the ranks that failed (the
+    caller reports every rank's error)."""
+    if error is not None:
+        return error
+    ranks = ", ".join(str(f.rank) for f in failed)
+    return CheckpointError(f"stopped: rank{'s' if len(failed) > 1 else ''} {ranks} failed")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .checkpoint_errors import CheckpointError, DiskFullError, UnsafeCheckpointError
     from .cli import EXIT_PREEMPTED
     from .collectives import (
+        Agreement,
         Failure,
         RankFailedError,
         RankUsageError,
@@ -75,6 +76,7 @@ _EXPORTS = {
     "CheckpointError": ".checkpoint_errors",
     "DiskFullError": ".checkpoint_errors",
     "UnsafeCheckpointError": ".checkpoint_errors",
+    "Agreement": ".collectives",
     "Failure": ".collectives",
     "RankFailedError": ".collectives",
     "RankUsageError": ".collectives",
@@ -150,6 +152,7 @@ _EXPORTS = {
 
 __all__ = [
     "AGENT_ENV",
+    "Agreement",
     "EXIT_PREEMPTED",
     "TERMINAL",
     "CheckpointBackendPlugin",

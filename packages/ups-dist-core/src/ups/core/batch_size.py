@@ -13,7 +13,7 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from .collectives import RankFailedError, gather_failures
+from .collectives import Agreement, Failure, RankFailedError
 from .context import RunContext
 
 log = structlog.get_logger()
@@ -78,20 +78,19 @@ def find_batch_size(
 def _try(ctx: RunContext, trial: Callable[[int], None], size: int) -> list[int]:
     """Run ``trial(size)`` on every rank; return the ranks that ran out of memory (the same
     list on every rank). A collective."""
-    error: Exception | None = None
-    try:
+
+    def crashed(failures: list[Failure], _error: Exception | None) -> RankFailedError | None:
+        """Every rank raises where one failed otherwise than running out of memory."""
+        crash = next((f for f in failures if not f.out_of_memory), None)
+        return (
+            None if crash is None else RankFailedError.naming(f"batch size {size}: {crash}", crash)
+        )
+
+    with Agreement(ctx, crashed) as trial_run:  # the trial's error and its frames: dropped
         trial(size)
-    except Exception as failure:
-        error = failure
-    failures = gather_failures(ctx, error)
-    crashed = [f for f in failures if not f.out_of_memory]
-    if crashed:
-        raise RankFailedError.naming(f"batch size {size}: {crashed[0]}", crashed[0]) from error
-    oom_ranks = [f.rank for f in failures]
+    oom_ranks = [f.rank for f in trial_run.failures]
     if ctx.is_main:
         log.info("batch size trial", batch_size=size, fits=not oom_ranks, oom_ranks=oom_ranks)
-    # The traceback's frames hold the trial's tensors (and this frame: a cycle); drop them.
-    del error
     if oom_ranks and ctx.device.type == "cuda":
         # Free what cycles still hold, then hand the allocator's cached blocks back.
         gc.collect()

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from .collectives import RankFailedError, decide, gather_failures
+from .collectives import Failure, Raising, RankFailedError, decide
 from .context import RunContext
 from .errors import UsageError
 
@@ -35,28 +35,24 @@ _ERRORS: dict[str, type[CheckpointError]] = {
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def agree(
-    ctx: RunContext, what: str, error: Exception | None, group: dist.ProcessGroup | None = None
-) -> None:
-    """Tell every rank which ranks failed ``what``; if any did, raise on every rank.
+def failing(what: str) -> Raising:
+    """How an :class:`~ups.core.collectives.Agreement` about a checkpoint fails: on every
+    rank, with an error saying that ``what`` failed and naming the failing ranks and their
+    messages. It is an :class:`UnsafeCheckpointError` (a :class:`DiskFullError`) when every
+    failing rank failed with one, else a :class:`CheckpointError`."""
 
-    The error names the failing ranks and their messages. It is an
-    :class:`UnsafeCheckpointError` (a :class:`DiskFullError`) when every failing rank failed
-    with one, else a :class:`CheckpointError`. A collective over ``group`` (``None``: the
-    default group): every rank calls it, failed or not.
-    """
-    failed = gather_failures(ctx, error, group=group)
-    if not failed:
-        return
-    kinds = {f.kind for f in failed}
-    cls = _ERRORS.get(kinds.pop(), CheckpointError) if len(kinds) == 1 else CheckpointError
-    alike: dict[str, list[int]] = {}
-    for f in failed:
-        alike.setdefault(f"{f.kind}: {f.message}", []).append(f.rank)
-    details = "; ".join(f"{_ranks(ranks)}: {said}" for said, ranks in alike.items())
-    if len(alike) == 1:
-        details = f"{_ranks([f.rank for f in failed])}: {next(iter(alike))}"
-    raise cls(f"{what} failed on {details}") from error
+    def raising(failed: list[Failure], error: Exception | None) -> CheckpointError:
+        kinds = {f.kind for f in failed}
+        cls = _ERRORS.get(kinds.pop(), CheckpointError) if len(kinds) == 1 else CheckpointError
+        alike: dict[str, list[int]] = {}
+        for f in failed:
+            alike.setdefault(f"{f.kind}: {f.message}", []).append(f.rank)
+        details = "; ".join(f"{_ranks(ranks)}: {said}" for said, ranks in alike.items())
+        if len(alike) == 1:
+            details = f"{_ranks([f.rank for f in failed])}: {next(iter(alike))}"
+        return cls(f"{what} failed on {details}")
+
+    return raising
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -111,16 +111,65 @@ def gather_failures(
     return _gather(ctx, error, group, None)[0]
 
 
-def gather_failures_summing(
-    ctx: RunContext, error: BaseException | None, value: float
-) -> tuple[list[Failure], torch.Tensor]:
-    """:func:`gather_failures` over the default group, its all-reduce also summing every
-    rank's ``value``: a sum the ranks need anyway rides the agreement, at no collective of its
-    own. The sum is a float64 tensor of one element on the device collectives use, not read on
-    the host."""
-    failures, total = _gather(ctx, error, None, value)
-    assert total is not None
-    return failures, total
+Raising = Callable[[list[Failure], Exception | None], BaseException | None]
+"""What an :class:`Agreement` raises on a rank, given every rank's failure (never empty) and
+this rank's own error (``None``: this rank did not fail): the error to raise (this rank's own
+error, re-raised as it is, or another, raised from it), or ``None`` to go on together (the
+failures were tolerated, as a step that ran out of memory is skipped)."""
+
+
+class Agreement:
+    """Runs a block on every rank and tells every rank whether it failed on any; if it did,
+    every rank raises together: ``with Agreement(ctx, raising): work()``.
+
+    The one place of the idiom "run, catch, :func:`gather_failures`, raise on every rank": a
+    rank's exception (an ``Exception``; others, such as ``KeyboardInterrupt``, pass at once)
+    leaves the block, every rank's failures are gathered as it exits, and ``raising`` says
+    what each rank raises. A collective over ``group`` (``None``: the default group): every
+    rank runs the block, failed or not. When no rank failed it costs one all-reduce of one
+    number, which also sums what every rank's ``summing`` gives as the block exits, where one
+    is given (a sum the ranks need anyway rides the agreement, at no collective of its own).
+    """
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        raising: Raising,
+        *,
+        group: dist.ProcessGroup | None = None,
+        summing: Callable[[], float] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.raising = raising
+        self.group = group
+        self.summing = summing
+        self.failures: list[Failure] = []
+        """Every rank's failure, the same on every rank, once the block has run (where the
+        block went on, the failures ``raising`` tolerated)."""
+        self.total: torch.Tensor | None = None
+        """The sum of what every rank's ``summing`` gave, once the block has run (``None``
+        without one): a float64 tensor of one element on the device collectives use, not read
+        on the host."""
+
+    def __enter__(self) -> Agreement:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: object
+    ) -> bool:
+        del traceback  # held by ``error`` alone: ``raising`` may drop its frames' memory
+        if error is not None and not isinstance(error, Exception):
+            return False  # an interrupt: no rank waits for a rank that is going away
+        value = None if self.summing is None else self.summing()
+        self.failures, self.total = _gather(self.ctx, error, self.group, value)
+        if not self.failures:
+            return False
+        raised = self.raising(self.failures, error)
+        if raised is None:
+            return True  # tolerated: every rank goes on
+        if raised is error:
+            return False  # this rank's own error, as it is
+        raise raised from error
 
 
 def _gather(

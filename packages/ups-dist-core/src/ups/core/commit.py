@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .arguments import saved_rank_state
-from .checkpoint_errors import CheckpointError, agree, disk_full, on_main
+from .checkpoint_errors import CheckpointError, disk_full, failing, on_main
+from .collectives import Agreement
 from .context import RunContext
 from .manifest import Manifest, read_committed
 from .records import Loaded
@@ -143,17 +144,18 @@ class Committing(abc.ABC, Generic[L]):
         agree_safe(self.ctx, what, step=step, state=state, rank_state=rank_state, group=self.group)
         staged = self._on_main(what, lambda: self._begin(step))
         owns = self._own_states(rank_state)
-        written: dict[str, FileRecord] = {}
-        error: Exception | None = None
         try:
-            written = self._write_state(staged, state)
-            for rank, own in owns.items():
-                written[rank_file(rank)] = self._put(staged, rank_file(rank), own)
-        except Exception as caught:  # every rank learns of it below
-            writes = [*owns.values(), *([state] if self.ctx.is_main else [])]
-            error = disk_full(caught, self._where, sum(map(_tensor_bytes, writes)))
-        try:
-            agree(self.ctx, what, error, self.group)
+            with Agreement(self.ctx, failing(what), group=self.group):
+                try:
+                    written = self._write_state(staged, state)
+                    for rank, own in owns.items():
+                        written[rank_file(rank)] = self._put(staged, rank_file(rank), own)
+                except Exception as caught:  # said as a full disk where it was one
+                    writes = [*owns.values(), *([state] if self.ctx.is_main else [])]
+                    full = disk_full(caught, self._where, sum(map(_tensor_bytes, writes)))
+                    if full is caught:
+                        raise
+                    raise full from caught
         except CheckpointError:
             if self.ctx.is_main:
                 self._discard(staged)
@@ -171,17 +173,12 @@ class Committing(abc.ABC, Generic[L]):
         found = self._on_main(f"finding the latest checkpoint{self._place}", self._find_latest)
         if found is None:
             return None
-        state: dict[str, Any] = {}
         own: dict[str, Any] | None = None
-        error: Exception | None = None
-        try:
+        location = self._location_of(found.where)
+        with Agreement(self.ctx, failing(f"loading checkpoint {location}"), group=self.group):
             state = self._read_state(found.where)
             if found.manifest.world_size == self.ctx.world_size:
                 own = self._get(found.where, rank_file(self.ctx.rank))
-        except Exception as caught:  # every rank learns of it below
-            error = caught
-        location = self._location_of(found.where)
-        agree(self.ctx, f"loading checkpoint {location}", error, self.group)
         return Loaded(step=found.step, state=state, rank_state=own, location=location)
 
     def wait(self) -> None:

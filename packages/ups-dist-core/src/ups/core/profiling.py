@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from .collectives import RankFailedError, gather_failures
+from .collectives import Agreement, Failure, RankFailedError
 from .context import RunContext
 from .errors import UsageError
 
@@ -232,20 +232,18 @@ def _agreed_seconds(
 ) -> float:
     """Run ``step(sync)`` ``iterations`` times and return how long it took; then agree with
     every rank that none failed (an all-reduce: no rank goes on before all got here)."""
-    error = None
+
+    def failed(failures: list[Failure], _error: Exception | None) -> RankFailedError:
+        first = failures[0]
+        return RankFailedError.naming(f"comm_profile (sync={sync}): {first}", first)
+
     _synchronize(ctx.device)
     start = time.perf_counter()
-    try:
+    with Agreement(ctx, failed):
         for _ in range(iterations):
             step(sync)
         _synchronize(ctx.device)
-    except Exception as failure:
-        error = failure
-    seconds = time.perf_counter() - start
-    failures = gather_failures(ctx, error)
-    if failures:
-        first = failures[0]
-        raise RankFailedError.naming(f"comm_profile (sync={sync}): {first}", first) from error
+        seconds = time.perf_counter() - start
     return seconds
 
 

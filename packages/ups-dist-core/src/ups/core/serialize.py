@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.serialization import config as serialization_config
 
-from .checkpoint_errors import CheckpointError, UnsafeCheckpointError, agree
+from .checkpoint_errors import CheckpointError, UnsafeCheckpointError, failing
+from .collectives import Agreement
 from .context import RunContext
 
 if TYPE_CHECKING:
@@ -127,16 +128,12 @@ def agree_safe(
     :raises UnsafeCheckpointError: naming the objects loading would refuse.
     :raises CheckpointError: for a bad step.
     """
-    error: Exception | None = None
-    try:
+    with Agreement(ctx, failing(what), group=group):
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         check_safe(rank_state)
         if ctx.is_main:
             check_safe(state)
-    except Exception as caught:  # every rank learns of it below
-        error = caught
-    agree(ctx, what, error, group)
 
 
 def _skeleton(obj: Any) -> Any:

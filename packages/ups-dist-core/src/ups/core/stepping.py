@@ -26,13 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .batches import to_device
-from .collectives import (
-    Failure,
-    RankFailedError,
-    gather_failures,
-    gather_failures_summing,
-    sum_later,
-)
+from .collectives import Agreement, Failure, RankFailedError, sum_later
 from .config import TrainingConfig
 from .context import RunContext
 from .errors import ConfigError, UsageError
@@ -437,19 +431,12 @@ class Stepper:
         if not self.agree:
             work(micro)
             return True
-        error = None
-        try:
+        summing = (lambda: micro.weights.count) if last and micro.weights.carried else None
+        with Agreement(self.ctx, self._skip, summing=summing) as agreed:
             work(micro)
-        except Exception as failure:
-            error = failure
-        if last and micro.weights.carried:
-            failures, total = gather_failures_summing(self.ctx, error, micro.weights.count)
-            micro.weights.summed(total)
-        else:
-            failures = gather_failures(self.ctx, error)
-        if failures:
-            self._skip(failures, error)
-        return not failures
+        if agreed.total is not None:
+            micro.weights.summed(agreed.total)
+        return not agreed.failures
 
     def _local_micro_batches(self, micro: MicroBatches) -> None:
         """Draw the step's micro-batches, then forward and backward every one but the last,
@@ -484,26 +471,27 @@ class Stepper:
         micro.weights.add(loss)
         return loss
 
-    def _skip(self, failures: list[Failure], error: Exception | None) -> None:
+    def _skip(self, failures: list[Failure], error: Exception | None) -> Exception | None:
         """Skip the step on every rank if ranks only ran out of memory (and not too often in a
-        row); else raise on every rank: a failed rank its own error, the others a
-        :class:`RankFailedError` naming the first rank that failed and how."""
+        row); else what every rank raises (:class:`~ups.core.collectives.Agreement`): a failed
+        rank its own error, the others a :class:`RankFailedError` naming the first rank that
+        failed and how."""
         step = self._number
         crashed = [f for f in failures if not f.out_of_memory]
         if crashed:
             if error is not None and not Failure.of(self.ctx.rank, error).out_of_memory:
-                raise error
-            raise RankFailedError.naming(f"step {step}: {crashed[0]}", crashed[0])
+                return error
+            return RankFailedError.naming(f"step {step}: {crashed[0]}", crashed[0])
         self.oom_skipped += 1
         self.oom_in_a_row += 1
         ranks = [f.rank for f in failures]
         limit = self.training.max_oom_skips
         if self.oom_in_a_row > limit:
-            raise RankFailedError(
+            return RankFailedError(
                 f"step {step}: out of memory on rank {', '.join(map(str, ranks))} "
                 f"{self.oom_in_a_row} times in a row (training.max_oom_skips: {limit}); "
                 "lower training.batch_size (`ups tune` finds the largest that fits)"
-            ) from error
+            )
         if self.ctx.is_main:
             log.warning("out of memory: every rank skips the batch", step=step, ranks=ranks)
         if error is not None:
@@ -514,6 +502,7 @@ class Stepper:
         self.optimizer.zero_grad(set_to_none=True)
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()
+        return None
 
     def _accumulate_locally(self, loss: torch.Tensor) -> None:
         """Add ``loss``'s gradients to ``.grad`` without DDP's reducer seeing them; the last
