@@ -8,10 +8,11 @@ finds the page's saved files in its folder.
 
 What each block gets, by its language:
 
-- ``python``: run, in a fresh namespace, in that folder. A signature (a one-line
+- ``python``: run, in a fresh namespace, in that folder, which is first on ``sys.path`` (as
+  for a script run there, the page's saved modules import). A signature (a one-line
   ``def name(...) -> T``, or a ``class P(Protocol):`` of such lines) is instead compared with
   the real one: a hook of ``ups.core.hookspecs``, a name ``ups.core`` exports, a protocol of
-  ``ups.core.records``.
+  ``ups.core.records`` or of ``ups.core``.
 - ``yaml``: read with ``ups.core.read_yaml`` and built into a ``Config`` (on a minimal
   ``model``/``data`` when the block has none), so every key and value is checked; a ``sweep``
   section through ``ups_optuna.parse_sweep``; the options of a plugin section, and each
@@ -139,10 +140,13 @@ def run_python(block: Block, folder: Path, monkeypatch: pytest.MonkeyPatch) -> N
         return
     protocol = re.fullmatch(r"class (\w+)\(Protocol\):", lines[0]) if lines else None
     if protocol:
-        expected = protocol_lines(getattr(records, protocol.group(1)))
+        expected = protocol_lines(
+            getattr(records, protocol.group(1), None) or getattr(ups.core, protocol.group(1))
+        )
         assert lines == expected, f"{block}: the protocol is\n" + "\n".join(expected)
         return
     monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))  # as for a script run there: its files import
     code = compile(block.text, str(block), "exec", flags=ast.PyCF_ONLY_AST)
     assert code.body, f"{block}: a python block without a statement checks nothing"
     exec(compile(code, str(block), "exec"), {"__name__": f"docs_{block.page}"})

@@ -1,6 +1,6 @@
-"""A damaged checkpoint's file is named where its storage keeps it: ``<location>/<name>`` by
-default, and as a :class:`~ups.core.Committing` storage with another layout says
-(``_location_of_file``)."""
+"""A damaged checkpoint's file is named where its storage keeps it: ``<location>/<name>`` in a
+folder, and as a :class:`~ups.core.CheckpointStorage` of another layout says
+(``location(key, file)``)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ from pathlib import Path
 import torch
 from structlog.testing import capture_logs
 
-from ups.core import RunContext, SimpleCheckpointOptions
+from ups.core import Committing, FolderStorage, RunContext, SimpleCheckpointOptions
 from ups.core.simple_checkpoint import SimpleCheckpointer
 
 
-class Described(SimpleCheckpointer):
+class Described(FolderStorage):
     """The simple layout, its files named as a storage of another layout would name them."""
 
-    def _location_of_file(self, where: Path, name: str) -> str:
-        return f"file {name} of {self._location_of(where)}"
+    def location(self, key: str, file: str | None = None) -> str:
+        return super().location(key) if file is None else f"file {file} of {self.path(key)}"
 
 
-def damage(ckpt: SimpleCheckpointer, folder: Path) -> str:
+def damage(ckpt: Committing, folder: Path) -> str:
     """The damage the loader finds in step 2's cut-short ``state.pt`` (it loads step 1)."""
     for step in (1, 2):
         ckpt.save({"w": torch.full((4,), float(step))}, step=step, rank_state={})
@@ -38,6 +38,7 @@ def test_a_damaged_file_is_named_as_its_storage_says(tmp_path: Path) -> None:
     plain = SimpleCheckpointer(ctx=RunContext(), directory=tmp_path / "a", options=options)
     step = tmp_path / "a" / "checkpoints" / "step-2"
     assert damage(plain, tmp_path / "a").startswith(f"{step}/state.pt has 50 bytes")
-    other = Described(ctx=RunContext(), directory=tmp_path / "b", options=options)
+    folder = tmp_path / "b" / "checkpoints"
+    other = Committing(RunContext(), Described(folder), where=f"in {folder}", keep_last=2)
     step = tmp_path / "b" / "checkpoints" / "step-2"
     assert damage(other, tmp_path / "b").startswith(f"file state.pt of {step} has 50 bytes")

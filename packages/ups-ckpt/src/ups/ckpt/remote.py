@@ -16,7 +16,7 @@ its ``COMMIT`` object. A save is a collective every rank enters: all ranks learn
 state is safe to save; rank 0 prepares the prefix; every rank uploads its files, computing
 their sizes and CRC-32s as the bytes go out; all ranks learn whether any rank failed (if one
 did, every rank raises, naming it, and the prefix is deleted); the other ranks' records are
-gathered to rank 0, which checks that the store lists every file at its size, writes
+gathered to rank 0, which checks that the store has every file at its size, writes
 ``COMMIT``, then ``latest``, then deletes what retention lets go. A prefix without a readable
 ``COMMIT`` is never loaded; the first save of a checkpointer deletes those left by earlier runs.
 
@@ -41,24 +41,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import attrs
 import structlog
 import torch.distributed as dist
 
-from ups.core import (
-    COMMIT_FILE,
-    LATEST_FILE,
-    CheckpointError,
-    Committing,
-    FileRecord,
-    RunContext,
-    checksum,
-    dump,
-    load,
-)
+from ups.core import COMMIT_FILE, Committing, FileRecord, RunContext, dump
 
 from ._store import filesystem, store_url
 from .local import LocalCheckpointOptions
@@ -88,9 +79,85 @@ class FsspecCheckpointOptions(LocalCheckpointOptions):
     never logged. Keys and secrets belong in the environment (``AWS_ACCESS_KEY_ID``, ...)."""
 
 
-class FsspecCheckpointer(Committing[str]):
+class FsspecStorage:
+    """A :class:`~ups.core.CheckpointStorage` under a URL, through fsspec: ``<url>/step-<N>/``,
+    written where it stays and committed by its ``COMMIT`` (see the module doc); a pointer is
+    the object ``<url>/<name>``.
+
+    :param fs: fsspec's filesystem, and ``root``, the URL's path on it (:func:`filesystem`).
+    :param url: the URL, as locations and messages name it.
+    """
+
+    def __init__(self, fs: Any, root: str, url: str) -> None:
+        self.fs, self.root, self.url = fs, root, url
+        self._swept = False
+
+    def stage(self, step: int) -> str:
+        """Clear the way for checkpoint ``step-<step>``, written where it stays: delete an
+        older one of that step, and, at this storage's first save, the uncommitted prefixes
+        earlier runs left."""
+        name = f"step-{step}"
+        prefixes = self.checkpoints()
+        if not self._swept:  # no save of this storage is in flight yet
+            self._swept = True
+            for left in prefixes:
+                if left != name and not self.fs.exists(self._path(f"{left}/{COMMIT_FILE}")):
+                    log.info("uncommitted checkpoint deleted", checkpoint=self.location(left))
+                    self.fs.rm(self._path(left), recursive=True)
+        if name in prefixes:
+            self.remove(name)
+        return name
+
+    def write(self, key: str, file: str, obj: Mapping[str, Any]) -> FileRecord:
+        with self.fs.open(self._path(f"{key}/{file}"), "wb") as stream:
+            return dump(dict(obj), stream)
+
+    def read(self, key: str, file: str) -> AbstractContextManager[IO[bytes]]:
+        self.fs.invalidate_cache()  # sizes listed before this checkpoint was written
+        stream: AbstractContextManager[IO[bytes]] = self.fs.open(self._path(f"{key}/{file}"), "rb")
+        return stream
+
+    def commit(self, key: str, step: int, manifest: str) -> None:
+        """Write ``COMMIT``: the checkpoint is written where it stays (``stage`` named it
+        ``step-<step>``), and its ``COMMIT`` commits it."""
+        self.fs.pipe_file(self._path(f"{key}/{COMMIT_FILE}"), manifest.encode())
+
+    def checkpoints(self) -> list[str]:
+        self.fs.invalidate_cache()
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:  # nothing saved yet
+            return []
+        return [_basename(entry["name"]) for entry in entries if entry["type"] == "directory"]
+
+    def remove(self, key: str) -> None:
+        """Delete checkpoint ``key``: ``COMMIT`` first, so it never looks committed while half
+        deleted, then the rest."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(f"{key}/{COMMIT_FILE}"))
+        self.fs.rm(self._path(key), recursive=True)
+
+    def set_pointer(self, name: str, key: str) -> None:
+        self.fs.pipe_file(self._path(name), f"{key}\n".encode())
+
+    def read_pointer(self, name: str) -> str | None:
+        try:
+            text: str = self.fs.cat_file(self._path(name)).decode(errors="replace")
+        except FileNotFoundError:
+            return None
+        return text
+
+    def location(self, key: str, file: str | None = None) -> str:
+        return f"{self.url}/{key}" if file is None else f"{self.url}/{key}/{file}"
+
+    def _path(self, relative: str) -> str:
+        """The filesystem's path of ``relative`` (to the URL)."""
+        return f"{self.root}/{relative}"
+
+
+class FsspecCheckpointer(Committing):
     """Keeps checkpoints as ``<url>/step-<N>/`` prefixes through fsspec (see the module doc):
-    the commit protocol of :class:`~ups.core.Committing` over a store without rename.
+    the commit protocol's :class:`~ups.core.Committing` over an :class:`FsspecStorage`.
 
     ``directory``: the run's folder, which a relative local path is taken relative to.
     ``group``: the process group its collectives use (``None``: the default one); a background
@@ -98,6 +165,8 @@ class FsspecCheckpointer(Committing[str]):
 
     :raises ConfigError: when fsspec, or the filesystem the URL needs, is not installed.
     """
+
+    storage: FsspecStorage
 
     def __init__(
         self,
@@ -110,130 +179,16 @@ class FsspecCheckpointer(Committing[str]):
         url = store_url(options.url, directory)
         super().__init__(
             ctx,
-            group,
-            f" under {url}",
-            f"under {url}",
+            FsspecStorage(*filesystem(url, options.storage_options), url),
+            where=f"under {url}",
+            place=f" under {url}",
+            group=group,
             keep_last=options.keep_last,
             keep_every=options.keep_every,
         )
         self.options = options
         self.url = url
         """The URL the checkpoints are under, as locations and messages name them."""
-        self.fs, self.root = filesystem(url, options.storage_options)
-        self._swept = False
-
-    # -- the store ----------------------------------------------------------------------------
-
-    def _begin(self, step: int) -> str:
-        """Clear the way for checkpoint ``step-<step>``, written where it stays: delete an
-        older one of that step, and, at this checkpointer's first save, the uncommitted
-        prefixes earlier runs left."""
-        name = f"step-{step}"
-        prefixes = self._published()
-        if not self._swept:  # no save of this checkpointer is in flight yet
-            self._swept = True
-            for left in prefixes:
-                if left != name and not self.fs.exists(self._path(f"{left}/{COMMIT_FILE}")):
-                    log.info("uncommitted checkpoint deleted", checkpoint=self._url(left))
-                    self.fs.rm(self._path(left), recursive=True)
-        if name in prefixes:
-            self._remove(name)
-        return name
-
-    def _put(self, where: str, name: str, obj: Mapping[str, Any]) -> FileRecord:
-        with self.fs.open(self._path(f"{where}/{name}"), "wb") as file:
-            return dump(dict(obj), file)
-
-    def _get(self, where: str, name: str) -> dict[str, Any]:
-        self.fs.invalidate_cache()  # sizes listed before this checkpoint was written
-        with self.fs.open(self._path(f"{where}/{name}"), "rb") as file:
-            return load(file, self._url(f"{where}/{name}"))
-
-    def _checksum(self, where: str, name: str) -> FileRecord:
-        with self.fs.open(self._path(f"{where}/{name}"), "rb") as file:
-            return checksum(file)
-
-    def _discard(self, staged: str) -> None:
-        """Delete what a failed save wrote, if it can (a prefix left uncommitted is harmless)."""
-        try:
-            self.fs.invalidate_cache()
-            if self.fs.exists(self._path(staged)):
-                self._remove(staged)
-        except Exception as error:  # the next checkpointer's first save deletes it
-            log.warning(
-                "could not delete a failed save",
-                checkpoint=self._url(staged),
-                error=f"{type(error).__name__}: {error}",
-            )
-
-    def _verify(self, staged: str, files: dict[str, FileRecord]) -> dict[str, FileRecord]:
-        """The store lists every file at its recorded size."""
-        self.fs.invalidate_cache()
-        listed = {
-            _basename(entry["name"]): entry["size"]
-            for entry in self.fs.ls(self._path(staged), detail=True)
-        }
-        for file, record in sorted(files.items()):
-            if listed.get(file) != record.size:
-                raise CheckpointError(
-                    f"{self._url(f'{staged}/{file}')} is not there with the {record.size} "
-                    f"bytes written (found: {listed.get(file)}): does every rank reach the "
-                    "same store?"
-                )
-        return files
-
-    def _write_manifest(self, staged: str, text: str) -> None:
-        self.fs.pipe_file(self._path(f"{staged}/{COMMIT_FILE}"), text.encode())
-
-    def _publish(self, staged: str, step: int) -> str:
-        return staged  # written where it stays: its COMMIT commits it
-
-    def _point_latest(self, name: str) -> None:
-        self.fs.pipe_file(self._path(LATEST_FILE), f"{name}\n".encode())
-
-    def _read_latest(self) -> str | None:
-        try:
-            text: str = self.fs.cat_file(self._path(LATEST_FILE)).decode(errors="replace")
-        except FileNotFoundError:
-            return None
-        return text
-
-    def _named(self, name: str) -> str:
-        return name
-
-    def _location_of(self, where: str) -> str:
-        return self._url(where)
-
-    def _path(self, relative: str) -> str:
-        """The filesystem's path of ``relative`` (to the URL)."""
-        return f"{self.root}/{relative}"
-
-    def _url(self, relative: str) -> str:
-        """The URL of ``relative`` (to the URL), as locations and messages name it."""
-        return f"{self.url}/{relative}"
-
-    def _listed(self) -> dict[str, str]:
-        self.fs.invalidate_cache()
-        try:
-            entries = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:  # nothing saved yet
-            return {}
-        names = (_basename(entry["name"]) for entry in entries if entry["type"] == "directory")
-        return {name: name for name in names}
-
-    def _read_manifest(self, where: str) -> str | None:
-        try:
-            text: str = self.fs.cat_file(self._path(f"{where}/{COMMIT_FILE}")).decode()
-        except FileNotFoundError:
-            return None
-        return text
-
-    def _remove(self, name: str) -> None:
-        """Delete checkpoint ``name``: ``COMMIT`` first, so it never looks committed while
-        half deleted, then the rest."""
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._path(f"{name}/{COMMIT_FILE}"))
-        self.fs.rm(self._path(name), recursive=True)
 
 
 def _basename(path: str) -> str:

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
@@ -56,6 +55,7 @@ from ups.core import (
     CheckpointError,
     Failure,
     FileRecord,
+    FolderStorage,
     RunContext,
     UnsafeCheckpointError,
     checksum,
@@ -86,10 +86,13 @@ class ShardedCheckpointer(LocalCheckpointer):
     """Keeps checkpoints as ``local`` does, the replicated state written by every rank through
     DCP (see the module doc). Its collectives, DCP's included, use ``group``."""
 
-    def _write_state(self, tmp: Path, state: Mapping[str, Any]) -> dict[str, FileRecord]:
-        """Write this rank's share of the tensors into ``tmp/shards``, and on rank 0 the
-        skeleton; on rank 0, return the records of every file written (each rank's shard files
-        are checksummed by the rank that wrote them)."""
+    storage: FolderStorage
+
+    def _write_state(self, staged: str, state: Mapping[str, Any]) -> dict[str, FileRecord]:
+        """Write this rank's share of the tensors into the staged folder's ``shards``, and on
+        rank 0 the skeleton; on rank 0, return the records of every file written (each rank's
+        shard files are checksummed by the rank that wrote them)."""
+        shards = self.storage.path(staged) / SHARDS
         with Agreement(self.ctx, _stopped, group=self.group):
             skeleton, tensors = split(state)
             mine = {name: fingerprint(tensor) for name, tensor in tensors.items()}
@@ -98,20 +101,25 @@ class ShardedCheckpointer(LocalCheckpointer):
         with _one_process_quiet(self.ctx):
             dcp_save(
                 offered,
-                storage_writer=_ShardWriter(tmp / SHARDS),
+                storage_writer=_ShardWriter(shards),
                 process_group=self.group,
                 no_dist=not self.ctx.distributed,
             )
-        records = self._gather_records(tmp / SHARDS)
+        records = self._gather(_records(shards, self.ctx.rank))
         if not self.ctx.is_main:
             return {}
-        fsync_dir(tmp / SHARDS)
-        return records | {SKELETON_FILE: self._put(tmp, SKELETON_FILE, skeleton)}
+        fsync_dir(shards)
+        for path in sorted(shards.iterdir()):  # DCP's index, and what a rank could not read
+            if path.is_file() and f"{SHARDS}/{path.name}" not in records:
+                with open(path, "rb") as file:
+                    records[f"{SHARDS}/{path.name}"] = checksum(file)
+        return records | {SKELETON_FILE: self._put(staged, SKELETON_FILE, skeleton)}
 
-    def _read_state(self, path: Path) -> dict[str, Any]:
+    def _read_state(self, key: str) -> dict[str, Any]:
         """Read the skeleton and DCP's index, allocate the tensors, and load them with DCP."""
+        path = self.storage.path(key)
         with Agreement(self.ctx, _stopped, group=self.group):
-            state, tensors, metadata = _prepare_load(path, self._get(path, SKELETON_FILE))
+            state, tensors, metadata = _prepare_load(path, self._get(key, SKELETON_FILE))
         with _one_process_quiet(self.ctx):
             dcp_load(  # in place, into the tensors of ``state``
                 tensors,
@@ -121,19 +129,16 @@ class ShardedCheckpointer(LocalCheckpointer):
             )
         return state
 
-    def _gather_records(self, shards: Path) -> dict[str, FileRecord]:
-        """The records of the shard files each rank wrote, on rank 0 (``{}`` on the others).
-        A rank that cannot read its files back sends none: rank 0 then reads them to commit."""
-        mine: dict[str, FileRecord] = {}
-        with contextlib.suppress(OSError):
-            for path in sorted(shards.glob(f"{_prefix(self.ctx.rank)}*")):
-                with open(path, "rb") as file:
-                    mine[f"{SHARDS}/{path.name}"] = checksum(file)
-        if not self.ctx.distributed:
-            return mine
-        gathered: list[Any] | None = [None] * self.ctx.world_size if self.ctx.is_main else None
-        dist.gather_object(mine, gathered, dst=0, group=self.group)
-        return {name: r for records in gathered or [] for name, r in records.items()}
+
+def _records(shards: Path, rank: int) -> dict[str, FileRecord]:
+    """The records of the shard files rank ``rank`` wrote into ``shards``, by their names in
+    the checkpoint; none where they cannot be read back (then rank 0 reads them, to commit)."""
+    found: dict[str, FileRecord] = {}
+    with contextlib.suppress(OSError):
+        for path in sorted(shards.glob(f"{_prefix(rank)}*")):
+            with open(path, "rb") as file:
+                found[f"{SHARDS}/{path.name}"] = checksum(file)
+    return found
 
 
 def _stopped(failed: list[Failure], error: Exception | None) -> Exception:

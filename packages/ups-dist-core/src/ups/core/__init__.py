@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         decide,
         gather_failures,
     )
-    from .commit import COMMIT_FILE, LATEST_FILE, Committed, Committing
+    from .commit import COMMIT_FILE, LATEST_FILE, CheckpointStorage, Committed, Committing
     from .config import Config, config_from_mapping, load_config, read_config, read_yaml
     from .context import RunContext, distributed_session
     from .errors import ConfigError, UsageError, did_you_mean, one_line, one_of
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from .report import read_metrics, write_report
     from .retention import expired
     from .serialize import FileRecord, checksum, dump, load
-    from .simple_checkpoint import SimpleCheckpointer
+    from .simple_checkpoint import FolderStorage, SimpleCheckpointer
     from .step import Step, StepError
     from .watchdog import Watchdog
 
@@ -85,6 +85,7 @@ _EXPORTS = {
     "gather_failures": ".collectives",
     "COMMIT_FILE": ".commit",
     "LATEST_FILE": ".commit",
+    "CheckpointStorage": ".commit",
     "Committed": ".commit",
     "Committing": ".commit",
     "Config": ".config",
@@ -143,6 +144,7 @@ _EXPORTS = {
     "load": ".serialize",
     "SimpleCheckpointOptions": ".builtins",
     "probe_checkpoints": ".builtins",
+    "FolderStorage": ".simple_checkpoint",
     "SimpleCheckpointer": ".simple_checkpoint",
     "Manifest": ".manifest",
     "Step": ".step",
@@ -219,6 +221,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "COMMIT_FILE",
     "LATEST_FILE",
+    "CheckpointStorage",
     "Committed",
     "Committing",
     "expired",
@@ -227,6 +230,7 @@ __all__ = [
     "dump",
     "load",
     "SimpleCheckpointOptions",
+    "FolderStorage",
     "SimpleCheckpointer",
     "probe_checkpoints",
     "Manifest",

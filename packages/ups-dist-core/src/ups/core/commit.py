@@ -1,44 +1,47 @@
-"""The commit protocol every checkpoint storage follows: one protocol, storages that say only
-how to stage, write, read, list, publish and delete (the abstract methods of :class:`Committing`).
+"""The commit protocol every checkpoint backend follows: one manager, :class:`Committing`,
+composed with a storage, :class:`CheckpointStorage`, that says only how to stage, write, read,
+commit, list and delete checkpoints and how to keep named pointers (``latest``).
 
 The built-in ``simple`` backend (:mod:`ups.core.simple_checkpoint`, a folder per checkpoint)
-and ups-ckpt's ``local``, ``sharded`` and ``fsspec`` backends are such storages, so every one of
-them saves, commits, verifies, loads and retains checkpoints alike.
+and ups-ckpt's ``local``, ``sharded`` and ``fsspec`` backends are the manager over such a
+storage, so every one of them saves, commits, verifies, loads and retains checkpoints alike.
 
 Saving is a collective every rank enters: all ranks learn whether the state is safe to save;
-rank 0 prepares where the checkpoint is staged; every rank writes its files there (rank 0 the
-replicated state, each rank its own); all ranks learn whether any rank failed (if one did, every
-rank raises, naming it, and what was staged is deleted); the records of the files written (size
-and CRC-32) are gathered to rank 0, which checks the staged files against them, writes the
-``COMMIT`` manifest, publishes the checkpoint as ``step-<N>``, points ``latest`` at it and
-deletes what retention lets go (:func:`~ups.core.retention.expired`). A checkpoint without a
-readable ``COMMIT`` is never loaded. Loading takes the checkpoint ``latest`` names if its files
-match the manifest's sizes and CRC-32s, else the newest committed one that does (with a warning
-naming each damaged one skipped), read by every rank, a failure on any rank raised on every
-rank. Every collective runs over the checkpointer's process group, whose timeout bounds it.
+rank 0 stages the checkpoint (:meth:`CheckpointStorage.stage`); every rank writes its files
+there (rank 0 the replicated state, each rank its own); all ranks learn whether any rank failed
+(if one did, every rank raises, naming it, and what was staged is deleted); the records of the
+files written (size and CRC-32) are gathered to rank 0, which checks that the staged files are
+there at their sizes, commits the checkpoint as ``step-<N>`` with its ``COMMIT`` manifest,
+points ``latest`` at it and deletes what retention lets go
+(:func:`~ups.core.retention.expired`). A checkpoint without a readable ``COMMIT`` is never
+loaded. Loading takes the checkpoint ``latest`` names if its files match the manifest's sizes
+and CRC-32s, else the newest committed one that does (with a warning naming each damaged one
+skipped), read by every rank, a failure on any rank raised on every rank. Every collective
+runs over the manager's process group, whose timeout bounds it.
 """
 
 from __future__ import annotations
 
-import abc
+import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from datetime import datetime, timezone
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import IO, Any, ClassVar, Protocol, TypeVar
 
 import attrs
 import structlog
 import torch
 import torch.distributed as dist
 
-from .arguments import saved_rank_state
+from .arguments import saved_rank_state, wrong_type
 from .checkpoint_errors import CheckpointError, disk_full, failing, on_main
 from .collectives import Agreement
 from .context import RunContext
 from .manifest import Manifest, read_committed
 from .records import Loaded
 from .retention import prune
-from .serialize import FileRecord, agree_safe
+from .serialize import FileRecord, agree_safe, checksum, load
 
 log = structlog.get_logger()
 
@@ -47,14 +50,23 @@ STATE_FILE = "state.pt"
 COMMIT_FILE = "COMMIT"
 """The manifest's file, in a checkpoint: written last, it commits the checkpoint."""
 LATEST_FILE = "latest"
-"""The file, beside the checkpoints, that names the newest one (``step-100``)."""
+"""The pointer that names the newest committed checkpoint (beside the checkpoints, the file
+``latest`` holding ``step-100``)."""
 
 STEP_NAME = re.compile(r"step-(\d+)")
-"""The name of a checkpoint, committed or not: ``step-<N>``."""
+"""The key of a published checkpoint, committed or not: ``step-<N>``."""
 
-L = TypeVar("L")
-"""Where a storage stages or keeps a checkpoint: a folder's path, a prefix's name."""
 T = TypeVar("T")
+
+
+def step_key(step: int) -> str:
+    """The key of checkpoint ``step`` once published: ``step-<step>``."""
+    return f"step-{step}"
+
+
+def rank_file(rank: int) -> str:
+    """The file of what rank ``rank`` keeps of its own."""
+    return f"rank-{rank}.pt"
 
 
 def _tensor_bytes(obj: object) -> int:
@@ -69,17 +81,86 @@ def _tensor_bytes(obj: object) -> int:
     return 0
 
 
-def rank_file(rank: int) -> str:
-    """The file of what rank ``rank`` keeps of its own."""
-    return f"rank-{rank}.pt"
+class CheckpointStorage(Protocol):
+    """Where a :class:`Committing` manager keeps its checkpoints, and how: nine methods.
+
+    A checkpoint is named by a key, a string (it is sent between ranks): ``step-<N>`` once
+    published, whatever :meth:`stage` returned while it is staged. A checkpoint holds files,
+    named by relative paths (``state.pt``, ``rank-3.pt``, ``shards/metadata``), and is
+    committed by its file ``COMMIT``, which :meth:`commit` writes last. A method marked
+    "rank 0" is called on rank 0 only, the others on any rank; none is a collective. The
+    manager writes no file but through :meth:`write` and :meth:`commit`, and reads none but
+    through :meth:`read`; every error a method raises fails the save or the load on every
+    rank, naming it (``FileNotFoundError`` from :meth:`read` excepted: see there).
+    """
+
+    def stage(self, step: int) -> str:
+        """Rank 0, at each save: a new, empty place for checkpoint ``step`` to be written in;
+        its key. The first call on a storage object also deletes what earlier runs staged and
+        never committed (no save of this object is in flight yet)."""
+        ...
+
+    def write(self, key: str, file: str, obj: Mapping[str, Any]) -> FileRecord:
+        """Write ``obj`` into the new file ``file`` of the staged checkpoint ``key`` with
+        :func:`~ups.core.dump`, durably (flushed and synced where the storage can); return
+        the record ``dump`` returns."""
+        ...
+
+    def read(self, key: str, file: str) -> AbstractContextManager[IO[bytes]]:
+        """The file ``file`` of the checkpoint ``key``, open for reading: binary, seekable.
+
+        :raises FileNotFoundError: when there is no such file (a checkpoint without
+            ``COMMIT`` is uncommitted; a file the manifest lists, missing, is damage).
+        """
+        ...
+
+    def commit(self, key: str, step: int, manifest: str) -> None:
+        """Rank 0: commit the staged checkpoint ``key`` as ``step-<step>``: write ``manifest``
+        into its new file ``COMMIT``, durably, after every other file, and publish it under
+        the key ``step-<step>``, replacing a checkpoint of that step saved before. Once it
+        returns, :meth:`checkpoints` lists it and :meth:`read` reads it by that key."""
+        ...
+
+    def checkpoints(self) -> Iterable[str]:
+        """The key of every published checkpoint, committed or not (``step-<N>``; keys of
+        another form are ignored; staged checkpoints may be listed or not)."""
+        ...
+
+    def remove(self, key: str) -> None:
+        """Rank 0: delete the checkpoint ``key`` (a published one, or one a failed save
+        staged), never leaving it half deleted and looking committed: its ``COMMIT`` first,
+        or the whole of it renamed out of sight first.
+
+        :raises FileNotFoundError: when there is no such checkpoint (ignored).
+        """
+        ...
+
+    def set_pointer(self, name: str, key: str) -> None:
+        """Rank 0: make the pointer ``name`` (``latest``) name the published checkpoint
+        ``key``, replacing what it named (atomically where the storage can)."""
+        ...
+
+    def read_pointer(self, name: str) -> str | None:
+        """The key the pointer ``name`` names (``None``: no such pointer)."""
+        ...
+
+    def location(self, key: str, file: str | None = None) -> str:
+        """The path or URL of the checkpoint ``key``, or of its file ``file``, as ``save``,
+        :class:`~ups.core.Loaded` and messages give it (whether or not it exists)."""
+        ...
+
+
+STORAGE_METHODS = tuple(
+    name for name in vars(CheckpointStorage) if not name.startswith("_") and name != "__init__"
+)
+"""The methods of a :class:`CheckpointStorage`, checked by :class:`Committing`."""
 
 
 @attrs.frozen
-class Committed(Generic[L]):
-    """A committed checkpoint: where its storage keeps it, and its manifest."""
+class Committed:
+    """A committed checkpoint: its key in its storage (``step-<N>``), and its manifest."""
 
-    where: L
-    """Its folder's path, or its prefix's name."""
+    where: str
     manifest: Manifest
 
     @property
@@ -87,16 +168,19 @@ class Committed(Generic[L]):
         return self.manifest.step
 
 
-class Committing(abc.ABC, Generic[L]):
-    """The :class:`~ups.core.Checkpointer` protocol over a storage (see the module doc): a
-    subclass says how to stage, write, read, list, publish and delete (its abstract methods).
+class Committing:
+    """The :class:`~ups.core.Checkpointer` protocol (see the module doc) over ``storage``.
 
-    :param group: the process group its collectives use (``None``: the default one).
-    :param place: how messages of saving and loading say where the checkpoints are (``""``,
+    :param storage: where and how the checkpoints are kept (:class:`CheckpointStorage`).
+    :param where: how messages say where the checkpoints are (``"in <folder>"``,
+        ``"under s3://..."``).
+    :param place: how the messages of saving and loading say it (``""``,
         ``" under s3://..."``).
-    :param where: how other messages say it (``"in <folder>"``, ``"under s3://..."``).
+    :param group: the process group its collectives use (``None``: the default one).
     :param keep_last: how many of the newest committed checkpoints to keep (``None``: all).
     :param keep_every: also keep every checkpoint whose step is a multiple of it.
+    :raises ArgumentTypeError: (a ``TypeError``) for a ``storage`` that lacks a method of a
+        :class:`CheckpointStorage`, naming them.
     """
 
     gathers_rank_states: ClassVar[bool] = False
@@ -106,14 +190,19 @@ class Committing(abc.ABC, Generic[L]):
     def __init__(
         self,
         ctx: RunContext,
-        group: dist.ProcessGroup | None,
-        place: str,
-        where: str,
+        storage: CheckpointStorage,
         *,
-        keep_last: int | None,
+        where: str,
+        place: str = "",
+        group: dist.ProcessGroup | None = None,
+        keep_last: int | None = None,
         keep_every: int | None = None,
     ) -> None:
+        missing = [name for name in STORAGE_METHODS if not callable(getattr(storage, name, None))]
+        if missing:
+            raise wrong_type("storage", storage, f"a CheckpointStorage (no {', '.join(missing)})")
         self.ctx = ctx
+        self.storage = storage
         self.group = group
         self._place = place
         self._where = where
@@ -142,7 +231,7 @@ class Committing(abc.ABC, Generic[L]):
         rank_state = saved_rank_state(state, rank_state)
         what = f"saving checkpoint step {step}{self._place}"
         agree_safe(self.ctx, what, step=step, state=state, rank_state=rank_state, group=self.group)
-        staged = self._on_main(what, lambda: self._begin(step))
+        staged = self._on_main(what, lambda: self.storage.stage(step))
         owns = self._own_states(rank_state)
         try:
             with Agreement(self.ctx, failing(what), group=self.group):
@@ -174,7 +263,7 @@ class Committing(abc.ABC, Generic[L]):
         if found is None:
             return None
         own: dict[str, Any] | None = None
-        location = self._location_of(found.where)
+        location = self.storage.location(found.where)
         with Agreement(self.ctx, failing(f"loading checkpoint {location}"), group=self.group):
             state = self._read_state(found.where)
             if found.manifest.world_size == self.ctx.world_size:
@@ -186,26 +275,25 @@ class Committing(abc.ABC, Generic[L]):
 
     def location(self, step: int) -> str:
         """Where checkpoint ``step`` is once committed."""
-        return self._location_of(self._named(f"step-{step}"))
+        return self.storage.location(step_key(step))
 
-    def committed(self) -> list[Committed[L]]:
+    def committed(self) -> list[Committed]:
         """The committed checkpoints, oldest step first (listed on this rank)."""
         found = []
-        for name, where in self._published().items():
-            manifest = read_committed(self._read_manifest(where), name, self._location_of(where))
+        for key in self.storage.checkpoints():
+            if not STEP_NAME.fullmatch(key):
+                continue
+            text = self._read_manifest(key)
+            manifest = read_committed(text, key, self.storage.location(key))
             if manifest is not None:
-                found.append(Committed(where, manifest))
+                found.append(Committed(key, manifest))
         return sorted(found, key=lambda c: c.step)
-
-    def _published(self) -> dict[str, L]:
-        """Every checkpoint the storage lists, committed or not, by its name (``step-<N>``)."""
-        return {name: where for name, where in self._listed().items() if STEP_NAME.fullmatch(name)}
 
     # -- how the replicated state is kept (a subclass may keep it otherwise) -------------------
 
-    def _write_state(self, staged: L, state: Mapping[str, Any]) -> dict[str, FileRecord]:
-        """Write the replicated ``state`` where the checkpoint is ``staged``; return the
-        records of the files written (files no rank names are read back at commit).
+    def _write_state(self, staged: str, state: Mapping[str, Any]) -> dict[str, FileRecord]:
+        """Write the replicated ``state`` into the checkpoint ``staged``; return the records of
+        every file written (a file no rank records is not in the manifest).
 
         Every rank calls it, before anything that may fail on one rank only, so a subclass may
         run collectives over ``self.group`` in it. Here rank 0 writes ``state.pt``.
@@ -214,12 +302,38 @@ class Committing(abc.ABC, Generic[L]):
             return {}
         return {STATE_FILE: self._put(staged, STATE_FILE, state)}
 
-    def _read_state(self, where: L) -> dict[str, Any]:
-        """Read the replicated state of the committed checkpoint ``where``.
+    def _read_state(self, key: str) -> dict[str, Any]:
+        """Read the replicated state of the committed checkpoint ``key``.
 
         Every rank calls it, first, so a subclass may run collectives over ``self.group`` in it.
         """
-        return self._get(where, STATE_FILE)
+        return self._get(key, STATE_FILE)
+
+    # -- files, through the storage -----------------------------------------------------------
+
+    def _put(self, key: str, file: str, obj: Mapping[str, Any]) -> FileRecord:
+        return self.storage.write(key, file, obj)
+
+    def _get(self, key: str, file: str) -> dict[str, Any]:
+        """Read ``file`` of ``key`` (:func:`~ups.core.load`: ``weights_only``)."""
+        with self.storage.read(key, file) as stream:
+            return load(stream, self.storage.location(key, file))
+
+    def _checksum(self, key: str, file: str) -> FileRecord:
+        """The record of ``file`` of ``key`` as it is now.
+
+        :raises FileNotFoundError: when there is no such file.
+        """
+        with self.storage.read(key, file) as stream:
+            return checksum(stream)
+
+    def _read_manifest(self, key: str) -> str | None:
+        """The text of ``key``'s ``COMMIT`` (``None``: there is none)."""
+        try:
+            with self.storage.read(key, COMMIT_FILE) as stream:
+                return stream.read().decode()
+        except FileNotFoundError:
+            return None
 
     # -- rank 0's parts -----------------------------------------------------------------------
 
@@ -227,7 +341,7 @@ class Committing(abc.ABC, Generic[L]):
         return on_main(self.ctx, what, action, self.group)
 
     def _own_states(self, rank_state: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
-        """The rank states this rank writes, by rank: its own, or, when the storage
+        """The rank states this rank writes, by rank: its own, or, when the manager
         :attr:`gathers_rank_states`, on rank 0 every rank's and elsewhere none (a collective)."""
         if not self.gathers_rank_states:
             return {self.ctx.rank: rank_state}
@@ -247,49 +361,82 @@ class Committing(abc.ABC, Generic[L]):
         dist.gather_object(obj, gathered, dst=0, group=self.group)
         return gathered or []
 
-    def _commit(self, staged: L, step: int, files: dict[str, FileRecord]) -> str:
-        """Check the staged files, write the manifest, publish, point ``latest``, retain."""
+    def _commit(self, staged: str, step: int, files: dict[str, FileRecord]) -> str:
+        """Check the staged files, commit with the manifest, point ``latest``, retain."""
         try:
+            self._verify(staged, files)
             manifest = Manifest(
                 step=step,
                 world_size=self.ctx.world_size,
-                files=self._verify(staged, files),
+                files=files,
                 saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             )
-            self._write_manifest(staged, manifest.to_json())
-            where = self._publish(staged, step)
+            self.storage.commit(staged, step, manifest.to_json())
         except BaseException:
             self._discard(staged)
             raise
-        self._point_latest(f"step-{step}")
+        key = step_key(step)
+        self.storage.set_pointer(LATEST_FILE, key)
         prune(
             {c.step: c.where for c in self.committed()},
-            self._remove,
+            self.storage.remove,
             keep_last=self._keep_last,
             keep_every=self._keep_every,
             protected=step,
+            named=self.storage.location,
         )
-        return self._location_of(where)
+        return self.storage.location(key)
 
-    def _find_latest(self) -> Committed[L] | None:
+    def _verify(self, staged: str, files: dict[str, FileRecord]) -> None:
+        """Check that the storage has every staged file at the size recorded as it was
+        written (a rank's file missing: the ranks do not share one storage)."""
+        for file, record in sorted(files.items()):
+            try:
+                with self.storage.read(staged, file) as stream:
+                    size: int | None = stream.seek(0, os.SEEK_END)
+            except FileNotFoundError:
+                size = None
+            if size != record.size:
+                raise CheckpointError(
+                    f"{self.storage.location(staged, file)} is not there with the "
+                    f"{record.size} bytes written (found: {size}): does every rank reach the "
+                    f"same storage {self._where}?"
+                )
+
+    def _discard(self, staged: str) -> None:
+        """Rank 0: delete what a failed save staged, if it can (what is left uncommitted is
+        harmless, and deleted by a later checkpointer's first save)."""
+        try:
+            self.storage.remove(staged)
+        except FileNotFoundError:
+            pass
+        except Exception as error:
+            log.warning(
+                "could not delete a failed save",
+                checkpoint=self.storage.location(staged),
+                error=f"{type(error).__name__}: {error}",
+            )
+
+    def _find_latest(self) -> Committed | None:
         """The checkpoint ``latest`` names, else the newest committed one, if it verifies;
         else the newest that does, with a warning naming each damaged one skipped.
 
         :raises CheckpointError: when checkpoints are committed but none verifies.
         """
         committed = self.committed()
-        latest = (self._read_latest() or "").strip()
-        named = [c for c in committed if f"step-{c.step}" == latest]
+        latest = (self.storage.read_pointer(LATEST_FILE) or "").strip()
+        named = [c for c in committed if c.where == latest]
         if STEP_NAME.fullmatch(latest) and not named and committed:
-            where = self._location_of(self._named(latest))
-            log.warning("'latest' names no committed checkpoint", latest=where)
+            log.warning(
+                "'latest' names no committed checkpoint", latest=self.storage.location(latest)
+            )
         for candidate in named + [c for c in reversed(committed) if c not in named]:
             problem = self._damage(candidate)
             if problem is None:
                 return candidate
             log.warning(
                 "damaged checkpoint skipped: loading an older one",
-                checkpoint=self._location_of(candidate.where),
+                checkpoint=self.storage.location(candidate.where),
                 damage=problem,
             )
         if committed:
@@ -299,10 +446,10 @@ class Committing(abc.ABC, Generic[L]):
             )
         return None
 
-    def _damage(self, checkpoint: Committed[L]) -> str | None:
+    def _damage(self, checkpoint: Committed) -> str | None:
         """What is wrong with a committed checkpoint's files (``None``: they match)."""
         for name, record in checkpoint.manifest.files.items():
-            location = self._location_of_file(checkpoint.where, name)
+            location = self.storage.location(checkpoint.where, name)
             try:
                 found = self._checksum(checkpoint.where, name)
             except FileNotFoundError:
@@ -313,79 +460,3 @@ class Committing(abc.ABC, Generic[L]):
                     f"{COMMIT_FILE} says {record.size} bytes, CRC-32 {record.crc32:08x}"
                 )
         return None
-
-    # -- the storage --------------------------------------------------------------------------
-
-    @abc.abstractmethod
-    def _begin(self, step: int) -> L:
-        """Rank 0: where checkpoint ``step`` is staged (at a checkpointer's first save, also
-        delete what earlier runs left uncommitted)."""
-
-    @abc.abstractmethod
-    def _put(self, where: L, name: str, obj: Mapping[str, Any]) -> FileRecord:
-        """Write ``obj`` into the new file ``name`` of ``where``, durably; return its record
-        (:func:`~ups.core.dump`)."""
-
-    @abc.abstractmethod
-    def _get(self, where: L, name: str) -> dict[str, Any]:
-        """Read the file ``name`` of ``where`` (:func:`~ups.core.load`: ``weights_only``)."""
-
-    @abc.abstractmethod
-    def _checksum(self, where: L, name: str) -> FileRecord:
-        """The record of the file ``name`` of ``where`` as it is now (:func:`~ups.core.checksum`).
-
-        :raises FileNotFoundError: when there is no such file.
-        """
-
-    @abc.abstractmethod
-    def _discard(self, staged: L) -> None:
-        """Rank 0: delete what a failed save staged."""
-
-    @abc.abstractmethod
-    def _verify(self, staged: L, files: dict[str, FileRecord]) -> dict[str, FileRecord]:
-        """Rank 0: check that the staged files are there as ``files`` records them; return
-        the records of every staged file (those no rank recorded, read back)."""
-
-    @abc.abstractmethod
-    def _write_manifest(self, staged: L, text: str) -> None:
-        """Rank 0: write ``text`` into the new file ``COMMIT`` of ``staged``, durably."""
-
-    @abc.abstractmethod
-    def _publish(self, staged: L, step: int) -> L:
-        """Rank 0: make the staged, manifested checkpoint the committed ``step-<step>``."""
-
-    @abc.abstractmethod
-    def _point_latest(self, name: str) -> None:
-        """Rank 0: make ``latest`` name the committed checkpoint ``name``."""
-
-    @abc.abstractmethod
-    def _read_latest(self) -> str | None:
-        """What ``latest`` says (``None``: there is no ``latest``)."""
-
-    @abc.abstractmethod
-    def _listed(self) -> dict[str, L]:
-        """What the storage keeps beside ``latest``, by name: the checkpoints (``step-<N>``),
-        committed or not; names of another form are ignored."""
-
-    @abc.abstractmethod
-    def _read_manifest(self, where: L) -> str | None:
-        """The text of ``where``'s ``COMMIT`` (``None``: there is none)."""
-
-    @abc.abstractmethod
-    def _remove(self, where: L) -> None:
-        """Rank 0: delete the checkpoint ``where``, never leaving it half deleted and looking
-        committed (remove or hide its ``COMMIT`` first)."""
-
-    @abc.abstractmethod
-    def _named(self, name: str) -> L:
-        """Where the checkpoint ``name`` (``step-<N>``) is kept once published."""
-
-    @abc.abstractmethod
-    def _location_of(self, where: L) -> str:
-        """The path or URL of ``where``, as locations and messages give it."""
-
-    def _location_of_file(self, where: L, name: str) -> str:
-        """The path or URL of the file ``name`` (as the manifest lists it) of the checkpoint
-        at ``where``, as messages give it: ``<location>/<name>``; a storage that keeps a
-        checkpoint's files another way says where."""
-        return f"{self._location_of(where)}/{name}"

@@ -12,7 +12,7 @@ from .checkpoint_errors import describe
 log = structlog.get_logger()
 
 L = TypeVar("L")
-"""Where a storage keeps a checkpoint: a folder's path, a prefix's name."""
+"""How a storage names a checkpoint: its key (``step-100``)."""
 
 
 def expired(
@@ -49,9 +49,11 @@ def prune(
     keep_last: int | None,
     keep_every: int | None,
     protected: int,
+    named: Callable[[L], str] = str,
 ) -> None:
-    """Delete, with ``remove``, each committed checkpoint (``{step: location}``) that
-    :func:`expired` lets go. A deletion that fails is logged; the next save tries again."""
+    """Delete, with ``remove``, each committed checkpoint (``{step: where it is kept}``) that
+    :func:`expired` lets go. A deletion that fails is logged, the checkpoint ``named`` by its
+    path or URL; the next save tries again."""
     for step in expired(
         list(committed), keep_last=keep_last, keep_every=keep_every, protected=protected
     ):
@@ -60,8 +62,8 @@ def prune(
         except Exception as error:  # the next save tries again
             log.warning(
                 "could not delete an old checkpoint",
-                checkpoint=str(committed[step]),
+                checkpoint=named(committed[step]),
                 error=describe(error),
             )
         else:
-            log.debug("old checkpoint deleted", checkpoint=str(committed[step]))
+            log.debug("old checkpoint deleted", checkpoint=named(committed[step]))

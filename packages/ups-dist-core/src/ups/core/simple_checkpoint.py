@@ -1,7 +1,8 @@
 """The built-in ``simple`` checkpoint backend: one folder per checkpoint, committed atomically.
 
-It is the commit protocol (:mod:`ups.core.commit`) over a folder; ups-ckpt's ``local`` backend
-is this folder with more options. Layout under the run's folder::
+It is the commit protocol (:mod:`ups.core.commit`) over a folder, :class:`FolderStorage`;
+ups-ckpt's ``local`` and ``sharded`` backends are this folder with more options. Layout under
+the run's folder::
 
     checkpoints/
         step-100/           a committed checkpoint
@@ -10,7 +11,7 @@ is this folder with more options. Layout under the run's folder::
             rank-1.pt
             COMMIT          the manifest, written last: step, world size, files, sizes, CRC-32s
         latest              the name of the newest checkpoint ("step-100"), replaced atomically
-        .tmp-step-150-1f2e  a save in progress, or one that crashed: never loaded
+        .tmp-step-150-1f2e3d4c  a save in progress, or one that crashed: never loaded
 
 Every rank's own state is gathered to rank 0, which alone writes: it makes the temporary
 folder, writes and fsyncs every file there, writes ``COMMIT``, fsyncs the folder, renames it to
@@ -22,139 +23,99 @@ one-file layout of earlier versions (``step-000000100.pt``) is refused, naming s
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch.distributed as dist
 
 from .builtins import CHECKPOINTS, SimpleCheckpointOptions
 from .checkpoint_errors import CheckpointError
-from .commit import COMMIT_FILE, LATEST_FILE, Committing, rank_file
+from .commit import COMMIT_FILE, Committing, step_key
 from .context import RunContext
 from .files import fsync_dir, write_atomically
-from .serialize import FileRecord, checksum, dump, load
+from .serialize import FileRecord, dump
+
+_LEFT = re.compile(r"\.tmp-step-\d+-[0-9a-f]{8}|\.trash-.+|\.[^.]+-[0-9a-f]{8}")
+"""What a save in flight keeps beside the checkpoints, and a crash may leave: a staged
+checkpoint, one being deleted, a pointer's new content (``.latest-1f2e3d4c``)."""
 
 
-class SimpleCheckpointer(Committing[Path]):
-    """Keeps checkpoints as ``<run dir>/checkpoints/step-<N>/`` folders (see the module doc).
+class FolderStorage:
+    """A :class:`~ups.core.CheckpointStorage` in a folder: ``<folder>/step-<N>/``, staged in a
+    temporary folder beside it and renamed into place; a pointer is the file ``<folder>/<name>``
+    (see the module doc).
 
-    ``group``: the process group its collectives use (``None``: the default one).
+    :param folder: where the checkpoints are (made at the first save when missing).
     """
 
-    gathers_rank_states = True
-
-    def __init__(
-        self,
-        *,
-        ctx: RunContext,
-        directory: Path,
-        options: SimpleCheckpointOptions,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
-        self.folder = Path(directory) / CHECKPOINTS
-        keep_last, keep_every = options.keep_last, options.keep_every
-        super().__init__(
-            ctx, group, "", f"in {self.folder}", keep_last=keep_last, keep_every=keep_every
-        )
-        self.options = options
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
         self._swept = False
 
-    # -- the folder ---------------------------------------------------------------------------
+    def path(self, key: str) -> Path:
+        """The folder of the checkpoint ``key``."""
+        return self.folder / key
 
-    def _begin(self, step: int) -> Path:
+    def stage(self, step: int) -> str:
         self._refuse_one_file_layout()
         if not self.folder.is_dir():
             self.folder.mkdir(parents=True, exist_ok=True)
             fsync_dir(self.folder.parent)
-        if not self._swept:  # what earlier runs left: no save of this run is in flight yet
+        if not self._swept:  # what earlier runs left: no save of this storage is in flight yet
             self._swept = True
-            for pattern in (".tmp-step-*", ".trash-*", f".{LATEST_FILE}-*"):
-                for left in self.folder.glob(pattern):
-                    if left.is_dir():
-                        shutil.rmtree(left, ignore_errors=True)
-                    else:
-                        left.unlink(missing_ok=True)
+            for left in self.folder.glob(".*-*"):
+                if _LEFT.fullmatch(left.name) and left.is_dir():
+                    shutil.rmtree(left, ignore_errors=True)
+                elif _LEFT.fullmatch(left.name):
+                    left.unlink(missing_ok=True)
         while True:
-            tmp = self.folder / f".tmp-step-{step}-{secrets.token_hex(4)}"
+            key = f".tmp-step-{step}-{secrets.token_hex(4)}"
             try:
-                tmp.mkdir()
+                self.path(key).mkdir()
             except FileExistsError:
                 continue
-            return tmp
+            return key
 
-    def _put(self, where: Path, name: str, obj: Mapping[str, Any]) -> FileRecord:
-        return _write(where / name, obj)
+    def write(self, key: str, file: str, obj: Mapping[str, Any]) -> FileRecord:
+        return _write(self.path(key) / file, obj)
 
-    def _get(self, where: Path, name: str) -> dict[str, Any]:
-        return _read(where / name)
+    def read(self, key: str, file: str) -> BinaryIO:
+        return open(self.path(key) / file, "rb")
 
-    def _checksum(self, where: Path, name: str) -> FileRecord:
-        with open(where / name, "rb") as file:
-            return checksum(file)
-
-    def _discard(self, staged: Path) -> None:
-        shutil.rmtree(staged, ignore_errors=True)
-
-    def _verify(self, staged: Path, files: dict[str, FileRecord]) -> dict[str, FileRecord]:
-        """Every rank's file is there (a rank's file missing: the folder is not shared); the
-        files no rank recorded are read back for their records."""
-        for rank in range(self.ctx.world_size):
-            name = rank_file(rank)
-            if not (staged / name).is_file():
-                raise CheckpointError(
-                    f"{staged / name} is missing although rank {rank} wrote it: is "
-                    f"{self.folder} on a filesystem every rank shares?"
-                )
-        files = dict(files)
-        for path in sorted(staged.rglob("*")):
-            name = path.relative_to(staged).as_posix()
-            if path.is_file() and name not in files:
-                files[name] = self._checksum(staged, name)
-        return files
-
-    def _write_manifest(self, staged: Path, text: str) -> None:
-        _write_new(staged / COMMIT_FILE, text)
-        fsync_dir(staged)
-
-    def _publish(self, staged: Path, step: int) -> Path:
-        final = self._named(f"step-{step}")
+    def commit(self, key: str, step: int, manifest: str) -> None:
+        """Write ``COMMIT``, fsync the staged folder, rename it to ``step-<step>`` (deleting
+        an older one of that step first) and fsync the folder."""
+        staged = self.path(key)
+        _write_new(staged / COMMIT_FILE, manifest)
+        final = self.path(step_key(step))
         if final.exists():
             # Saving a step again (after resuming): the new checkpoint replaces the old.
             _remove(final, self.folder)
         os.rename(staged, final)
         fsync_dir(self.folder)
-        return final
 
-    def _point_latest(self, name: str) -> None:
-        write_atomically(self.folder / LATEST_FILE, name + "\n")
-
-    def _read_latest(self) -> str | None:
-        try:
-            return (self.folder / LATEST_FILE).read_text()
-        except FileNotFoundError:
-            return None
-
-    def _listed(self) -> dict[str, Path]:
+    def checkpoints(self) -> list[str]:
         self._refuse_one_file_layout()
-        return {path.name: path for path in self.folder.glob("step-*") if path.is_dir()}
+        return [path.name for path in self.folder.glob("step-*") if path.is_dir()]
 
-    def _read_manifest(self, where: Path) -> str | None:
+    def remove(self, key: str) -> None:
+        _remove(self.path(key), self.folder)
+
+    def set_pointer(self, name: str, key: str) -> None:
+        write_atomically(self.folder / name, key + "\n")
+
+    def read_pointer(self, name: str) -> str | None:
         try:
-            return (where / COMMIT_FILE).read_text()
+            return (self.folder / name).read_text()
         except FileNotFoundError:
             return None
 
-    def _remove(self, where: Path) -> None:
-        _remove(where, self.folder)
-
-    def _named(self, name: str) -> Path:
-        return self.folder / name
-
-    def _location_of(self, where: Path) -> str:
-        return str(where)
+    def location(self, key: str, file: str | None = None) -> str:
+        return str(self.path(key) if file is None else self.path(key) / file)
 
     def _refuse_one_file_layout(self) -> None:
         """Refuse the folder of a run that earlier versions' ``simple`` backend saved in."""
@@ -165,6 +126,36 @@ class SimpleCheckpointer(Committing[Path]):
                 "which this version neither loads nor saves beside: move it away, or resume "
                 "with that version"
             )
+
+
+class SimpleCheckpointer(Committing):
+    """Keeps checkpoints as ``<run dir>/checkpoints/step-<N>/`` folders (see the module doc):
+    the commit protocol's :class:`~ups.core.Committing` over a :class:`FolderStorage`.
+
+    ``group``: the process group its collectives use (``None``: the default one).
+    """
+
+    gathers_rank_states = True
+    storage: FolderStorage
+
+    def __init__(
+        self,
+        *,
+        ctx: RunContext,
+        directory: Path,
+        options: SimpleCheckpointOptions,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.folder = Path(directory) / CHECKPOINTS
+        super().__init__(
+            ctx,
+            FolderStorage(self.folder),
+            where=f"in {self.folder}",
+            group=group,
+            keep_last=options.keep_last,
+            keep_every=options.keep_every,
+        )
+        self.options = options
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,11 +169,6 @@ def _write(path: Path, obj: Mapping[str, Any]) -> FileRecord:
         file.flush()
         os.fsync(file.fileno())
     return record
-
-
-def _read(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as file:
-        return load(file, str(path))
 
 
 def _write_new(path: Path, text: str) -> None:

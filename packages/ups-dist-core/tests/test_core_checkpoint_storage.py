@@ -1,0 +1,73 @@
+"""The commit protocol's storage, ``ups.core.CheckpointStorage``: what the manager refuses to be
+built on, and named pointers (``latest`` one of them) through the folder storage."""
+
+from __future__ import annotations
+
+import string
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ups.core import Committing, FolderStorage, RunContext
+from ups.core.arguments import ArgumentTypeError
+from ups.core.commit import STORAGE_METHODS
+
+NINE = "stage, write, read, commit, checkpoints, remove, set_pointer, read_pointer, location"
+
+
+def test_the_storage_protocol_has_nine_methods() -> None:
+    assert ", ".join(STORAGE_METHODS) == NINE
+
+
+class Partial:
+    """A storage half written: it lacks ``commit`` and ``remove``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.inner = FolderStorage(folder)
+        for name in STORAGE_METHODS:
+            if name not in ("commit", "remove"):
+                setattr(self, name, getattr(self.inner, name))
+
+
+def test_a_storage_lacking_methods_is_refused_naming_them(tmp_path: Path) -> None:
+    with pytest.raises(ArgumentTypeError) as raised:
+        Committing(RunContext(), Partial(tmp_path), where=f"in {tmp_path}")  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "storage: must be a CheckpointStorage (no commit, remove), not a Partial"
+    )
+    with pytest.raises(TypeError, match=f"no {NINE}\\), not an object"):
+        Committing(RunContext(), object(), where="nowhere")  # type: ignore[arg-type]
+
+
+def test_a_pointer_of_another_name_is_kept_beside_latest(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    ckpt = Committing(RunContext(), FolderStorage(folder), where=f"in {folder}", keep_last=None)
+    for step in (1, 2, 3):
+        ckpt.save({"w": torch.full((2,), float(step))}, step=step, rank_state={})
+    ckpt.storage.set_pointer("best", "step-2")
+    assert ckpt.storage.read_pointer("best") == "step-2\n"
+    assert (folder / "best").read_text() == "step-2\n"  # the file layout of latest's
+    assert (folder / "latest").read_text() == "step-3\n"
+    loaded = ckpt.load_latest()
+    assert loaded is not None and loaded.step == 3  # loading follows latest only
+    assert ckpt.storage.read_pointer("worst") is None
+
+
+names = st.text(string.ascii_lowercase, min_size=1, max_size=6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(names, st.integers(0, 10**6)), max_size=12))
+def test_each_pointer_names_what_it_was_set_to_last(sets: list[tuple[str, int]]) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        storage = FolderStorage(Path(folder))
+        for name, step in sets:
+            storage.set_pointer(name, f"step-{step}")
+        last = dict(sets)
+        for name, step in last.items():
+            assert (storage.read_pointer(name) or "").strip() == f"step-{step}"
+        assert sorted(p.name for p in Path(folder).iterdir()) == sorted(last)  # nothing beside
