@@ -3,16 +3,19 @@ built on, and named pointers (``latest`` one of them) through the folder storage
 
 from __future__ import annotations
 
+import re
 import string
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ups.core import Committing, FolderStorage, RunContext
+from ups.core import CheckpointError, Committing, FileRecord, FolderStorage, RunContext
 from ups.core.arguments import ArgumentTypeError
 from ups.core.commit import STORAGE_METHODS
 
@@ -71,3 +74,29 @@ def test_each_pointer_names_what_it_was_set_to_last(sets: list[tuple[str, int]])
         for name, step in last.items():
             assert (storage.read_pointer(name) or "").strip() == f"step-{step}"
         assert sorted(p.name for p in Path(folder).iterdir()) == sorted(last)  # nothing beside
+
+
+class Losing(FolderStorage):
+    """A storage that loses the last byte of every file it writes."""
+
+    def write(self, key: str, file: str, obj: Mapping[str, Any]) -> FileRecord:
+        record = super().write(key, file, obj)
+        path = self.path(key) / file
+        path.write_bytes(path.read_bytes()[:-1])
+        return record
+
+
+def test_a_file_not_there_at_its_size_fails_the_save_and_leaves_nothing(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    ckpt = Committing(RunContext(), Losing(folder), where=f"in {folder}", keep_last=None)
+    with pytest.raises(CheckpointError) as raised:
+        ckpt.save({"w": torch.ones(2)}, step=1, rank_state={})
+    said = re.fullmatch(
+        rf"{re.escape(str(folder))}/\.tmp-step-1-[0-9a-f]{{8}}/rank-0\.pt is not there with the "
+        rf"(\d+) bytes written \(found: (\d+)\): does every rank reach the same storage in "
+        rf"{re.escape(str(folder))}\?",
+        str(raised.value),
+    )
+    assert said is not None and int(said[2]) == int(said[1]) - 1
+    assert sorted(p.name for p in folder.iterdir()) == []  # staged, then removed
+    assert ckpt.load_latest() is None
