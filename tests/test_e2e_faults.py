@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import random
 import signal
@@ -27,11 +26,14 @@ from test_e2e_resume import final_state, project
 from ups.core.context import collective_timeout
 from ups.core.testing import (
     assert_bitwise_equal,
+    events,
     free_port,
     install_plugin,
     kill_all_in,
+    run_ups,
     tiny_project,
     two_machines,
+    wait_for,
 )
 
 EXIT_PREEMPTED = 75
@@ -116,13 +118,10 @@ def watched_project(folder: Path, **options: Any) -> tuple[Path, Path]:
 
 def ups_train(
     config: Path, *args: str, nproc: int = 2, faults: str = "", timeout: float = 120
-) -> Any:
-    """``ups train CONFIG --nproc NPROC ARGS`` with ``UPS_FAULTS=faults``, logging JSON."""
-    env = {**os.environ, "UPS_LOG_FORMAT": "json", "UPS_FAULTS": faults}
-    command = [sys.executable, "-m", "ups.core", "train", str(config), f"--nproc={nproc}", *args]
-    return subprocess.run(
-        command, capture_output=True, text=True, env=env, timeout=timeout, check=False
-    )
+) -> subprocess.CompletedProcess[str]:
+    """``ups train CONFIG --nproc NPROC ARGS`` with ``UPS_FAULTS=faults``."""
+    train = ("train", str(config), f"--nproc={nproc}", *args)
+    return run_ups(*train, env={"UPS_FAULTS": faults}, timeout=timeout)
 
 
 def run_dir(config: Path) -> Path:
@@ -135,10 +134,9 @@ def final(config: Path) -> dict[str, Any]:
     return final_state(SimpleNamespace(checkpoint=str(newest)))
 
 
-def events(config: Path, name: str, rank: int = 0) -> list[dict[str, Any]]:
-    """Every ``name`` event of the rank's log, across restarts."""
-    lines = (run_dir(config) / "logs" / f"rank{rank}.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e.get("event") == name]
+def rank_log(config: Path, rank: int = 0) -> Path:
+    """The rank's log file, across restarts."""
+    return run_dir(config) / "logs" / f"rank{rank}.jsonl"
 
 
 STATE = (
@@ -156,7 +154,7 @@ def assert_equal_to(reference: dict[str, Any], config: Path) -> None:
 
 def fired_at(config: Path, rank: int) -> float:
     """When (``time.time()``) the fault injected on ``rank`` fired."""
-    (fault,) = events(config, "fault injected", rank)
+    (fault,) = events(rank_log(config, rank), "fault injected")
     return datetime.datetime.fromisoformat(fault["timestamp"]).timestamp()
 
 
@@ -169,17 +167,9 @@ def assert_all_gone_within(seconds: float, config: Path, rank: int, pids: Path) 
             os.kill(pid, 0)
 
 
-def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
-    """Return once ``condition()`` holds; fail after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def stepping(config: Path) -> Callable[[], bool]:
     """Whether rank 0 has logged a training report."""
-    log = run_dir(config) / "logs" / "rank0.jsonl"
+    log = rank_log(config)
     return lambda: log.is_file() and '"event": "step"' in log.read_text()
 
 
@@ -216,9 +206,9 @@ def test_kill_9_of_one_worker_at_a_random_step_restarts_and_ends_bitwise_equal(
     config = faults_project(tmp_path)
     done = ups_train(config, "--max-restarts", "1", faults=f"{fault}@{rank}:{step}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [e["step"] for e in events(config, "fault injected", rank)] == [step]
+    assert [e["step"] for e in events(rank_log(config, rank), "fault injected")] == [step]
     saved = (step - 1) // 3 * 3  # the newest checkpoint (every 3 steps) before the kill
-    assert [e["step"] for e in events(config, "resumed")] == [saved], done.stderr[-6000:]
+    assert [e["step"] for e in events(rank_log(config), "resumed")] == [saved], done.stderr[-6000:]
     assert_equal_to(reference, config)
 
 
@@ -232,8 +222,8 @@ def test_kill_9_during_a_checkpoint_write_resumes_from_the_previous_one(
     config = faults_project(tmp_path)
     done = ups_train(config, "--max-restarts", "1", faults="kill_save@0:6")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [e["step"] for e in events(config, "resumed")] == [3]
-    assert [e["step"] for e in events(config, "fault injected")] == [6]
+    assert [e["step"] for e in events(rank_log(config), "resumed")] == [3]
+    assert [e["step"] for e in events(rank_log(config), "fault injected")] == [6]
     assert not list((run_dir(config) / "checkpoints").glob(".tmp-*"))  # swept
     assert_equal_to(reference, config)
 
@@ -248,12 +238,12 @@ def test_a_sigterm_to_a_worker_saves_at_the_next_step_and_the_resumed_run_ends_e
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     ) as process:
-        wait_for(stepping(config), 60, "a training report")
+        wait_for(stepping(config), 60, "a training report", process=process)
         worker = max(int(p.name) for p in pids.iterdir())
         os.kill(worker, signal.SIGTERM)
         _, err = process.communicate(timeout=60)
     assert process.returncode == EXIT_PREEMPTED, err[-3000:]
-    stopped = events(config, "preempted: saving and stopping")[0]["step"]
+    stopped = events(rank_log(config), "preempted: saving and stopping")[0]["step"]
     assert f"ups: preempted: the ranks saved at step {stopped}; resume with" in err
     assert 0 < stopped < STEPS
     assert final(config)["step"] == stopped
@@ -404,7 +394,7 @@ def test_two_machines_one_lost_the_job_restarts_and_finishes(tmp_path: Path) -> 
         two.assert_finished(1, first, 150)
         two.assert_finished(2, back, 30)
     assert final(config)["step"] == STEPS
-    assert events(config, "resumed")[0]["step"] >= 3, "the restarted job did not resume"
+    assert events(rank_log(config), "resumed")[0]["step"] >= 3, "the restarted job did not resume"
 
 
 SHRINK = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
@@ -434,17 +424,19 @@ def test_an_elastic_job_that_lost_a_machine_for_good_resumes_on_1_rank_and_sees_
         first_ranks = sorted(seen.iterdir())  # each rank of the 2 wrote its samples by now
         two.lose(2, lost)
         two.assert_finished(1, survivor, 120)
-    (resumed,) = events(config, "resumed")
+    (resumed,) = events(rank_log(config), "resumed")
     saved_at = resumed["step"]
     assert saved_at in (3, 6), resumed  # a checkpoint mid-epoch (8 steps of 2 batches of 4)
-    assert [e["world_size"] for e in events(config, "training")] == [2, 1]
+    assert [e["world_size"] for e in events(rank_log(config), "training")] == [2, 1]
     (changed,) = events(
-        config,
+        rank_log(config),
         "checkpoint saved by another number of ranks: each rank's "
         "generators start from rank 0's and the comm hook's state starts afresh",
     )
     assert changed["saved_world_size"] == 2
-    assert [e["restarts"] for e in events(config, "restarted by the launcher: resuming")] == [1]
+    assert [
+        e["restarts"] for e in events(rank_log(config), "restarted by the launcher: resuming")
+    ] == [1]
 
     def lines(path: Path) -> list[str]:
         return path.read_text().splitlines()
@@ -490,5 +482,7 @@ def test_a_worker_killed_after_the_final_save_restarts_into_a_complete_run_and_e
     assert done.returncode == 0, done.stderr[-3000:]
     # Restarted once, into the complete run: every rank resumed at the end and said so.
     for rank in (0, 1):
-        assert [e["step"] for e in events(config, "resumed", rank)] == [8]
-        assert events(config, "the run is complete at step 8: nothing left to train", rank)
+        assert [e["step"] for e in events(rank_log(config, rank), "resumed")] == [8]
+        assert events(
+            rank_log(config, rank), "the run is complete at step 8: nothing left to train"
+        )

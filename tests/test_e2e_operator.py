@@ -5,7 +5,6 @@ loader workers on that resumes bitwise."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import pickle
 import subprocess
@@ -19,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ups.core.testing import assert_bitwise_equal, read_checkpoint, run_ups
+from ups.core.testing import assert_bitwise_equal, events, read_checkpoint, run_ups
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pde_operator"
@@ -205,35 +204,32 @@ def test_the_example_trains_on_two_ranks_with_per_task_metrics(tmp_path: Path) -
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
-    steps = [e for e in events if e["event"] == "step"]
+    logged = events(result.stderr)
+    steps = [e for e in logged if e["event"] == "step"]
     assert [e["step"] for e in steps] == [10, 20, 30]
     for task in TASKS:
         assert all(e[f"loss/{task}"] > 0 and e[f"nrmse/{task}"] > 0 for e in steps)
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]
-    (last,) = [e for e in events if e["event"] == "eval"]  # at the end only (every 40 steps)
+    (last,) = [e for e in logged if e["event"] == "eval"]  # at the end only (every 40 steps)
     assert last["val_samples"] == 192 and all(f"val_nrmse/{t}" in last for t in TASKS)
-    done = [e for e in events if e["event"] == "done"]
+    done = [e for e in logged if e["event"] == "done"]
     assert len(done) == 1 and done[0]["steps"] == 30
     assert len(list((tmp_path / "data").glob("2D_*.h5"))) == 6
 
 
-def operator_run(folder: Path, data: Path, *args: str, faults: str = "") -> Any:
+def operator_run(
+    folder: Path, data: Path, *args: str, faults: str = ""
+) -> subprocess.CompletedProcess[str]:
     """``ups train`` of the example for 40 steps (an epoch is 24) on 2 ranks with 2 loader
     workers each, saving every 15 steps (mid-epoch), into ``folder``."""
-    return subprocess.run(
-        [
-            *(sys.executable, "-m", "ups.core", "train", str(EXAMPLE / "pde_operator.yaml")),
-            *("--nproc", "2", *args),
-            *("-o", f"run.output_dir={folder}", "-o", "training.max_steps=40"),
-            *("-o", "checkpoint.every_steps=15", "-o", "eval.every_steps=1000"),
-            *("-o", f"data.options.root={data}", "-o", f"eval.options.root={data}"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return run_ups(
+        *("train", str(EXAMPLE / "pde_operator.yaml"), "--nproc", "2", *args),
+        *("-o", f"run.output_dir={folder}", "-o", "training.max_steps=40"),
+        *("-o", "checkpoint.every_steps=15", "-o", "eval.every_steps=1000"),
+        *("-o", f"data.options.root={data}", "-o", f"eval.options.root={data}"),
         cwd=folder,
-        env=os.environ | {"UPS_LOG_FORMAT": "json", "UPS_FAULTS": faults},
+        env={"UPS_FAULTS": faults},
+        timeout=300,
     )
 
 
@@ -249,9 +245,8 @@ def test_killed_mid_epoch_with_workers_it_resumes_bitwise_and_reports_per_task(
     # 6th step of epoch 2, with the multitask sampler's state and 2 workers per rank
     done = operator_run(killed, data, "--max-restarts", "1", faults="kill@1:33")
     assert done.returncode == 0, done.stderr[-3000:]
-    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
-    assert [e["step"] for e in events if e["event"] == "fault injected"] == [33]
-    assert [e["step"] for e in events if e["event"] == "resumed"] == [30]
+    assert [e["step"] for e in events(done.stderr, "fault injected")] == [33]
+    assert [e["step"] for e in events(done.stderr, "resumed")] == [30]
 
     def final(folder: Path) -> Any:
         return read_checkpoint(folder / "pde-operator" / "checkpoints" / "step-40")["state"]
@@ -261,12 +256,7 @@ def test_killed_mid_epoch_with_workers_it_resumes_bitwise_and_reports_per_task(
         assert_bitwise_equal(found[key], expected[key], key)
     assert expected["epoch_left"] > 0  # it ended mid-epoch 2 too
 
-    report = subprocess.run(
-        [sys.executable, "-m", "ups.core", "report", str(killed / "pde-operator")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    report = run_ups("report", str(killed / "pde-operator"))
     assert report.returncode == 0, report.stderr
     for task in TASKS:
         assert f"train loss/{task}" in report.stdout and f"train nrmse/{task}" in report.stdout

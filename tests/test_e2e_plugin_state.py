@@ -4,14 +4,11 @@ it back, each rank its own, when the run resumes (``ups_checkpoint_restore``).""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from ups.core.testing import install_plugin, tiny_project
+from ups.core.testing import install_plugin, run_ups, tiny_project
 
 PLUGIN = '''
 """Counts the reports each rank saw; keeps the count in checkpoints."""
@@ -46,7 +43,6 @@ def test_a_plugins_state_is_saved_per_rank_and_restored_on_resume(tmp_path: Path
     site = tmp_path / "site"
     site.mkdir()
     install_plugin(site, "ups-counter", "ups_counter", PLUGIN)
-    env = os.environ | {"PYTHONPATH": str(site), "UPS_LOG_FORMAT": "json"}
 
     def run(max_steps: int) -> None:
         config = tiny_project(
@@ -54,10 +50,8 @@ def test_a_plugins_state_is_saved_per_rank_and_restored_on_resume(tmp_path: Path
             training={"epochs": 4, "max_steps": max_steps},
             checkpoint={"name": "local", "resume": "latest"},
         )
-        command = [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"]
-        result = subprocess.run(
-            command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
-        )
+        train = ("train", str(config), "--nproc", "2")
+        result = run_ups(*train, cwd=tmp_path, env={"PYTHONPATH": str(site)}, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
 
     run(6)  # reports at steps 2, 4, 6: 3 on each rank

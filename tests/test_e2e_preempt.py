@@ -8,14 +8,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from test_e2e_resume import final_state, project
 
 from ups.core import train
-from ups.core.testing import assert_bitwise_equal
+from ups.core.testing import assert_bitwise_equal, wait_for
 
 SIGNALLING_MODEL = """
 import os
@@ -95,10 +94,18 @@ def test_ups_train_signalled_saves_and_exits_without_a_traceback(
         text=True,
         env=env,
     )
-    deadline = time.monotonic() + 60
-    while not (log.is_file() and '"event": "step"' in log.read_text()):
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.2)
+
+    def stopped() -> str:
+        process.kill()
+        return process.communicate()[1][-3000:]
+
+    wait_for(
+        lambda: log.is_file() and '"event": "step"' in log.read_text(),
+        60,
+        "a training report",
+        process=process,
+        details=stopped,
+    )
     process.send_signal(getattr(signal, signal_name))
     _, err = process.communicate(timeout=60)
     assert process.returncode == 75, err  # preempted, resumable

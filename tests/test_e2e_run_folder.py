@@ -8,39 +8,25 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ups.core.testing import tiny_project
+from ups.core.testing import events, run_ups, tiny_project, wait_for
 
 pytestmark = pytest.mark.slow
 
 BLOCKED = {"UPS_BLOCK_PLUGINS": "tensorboard,wandb,mlflow"}
 
 
-def python_m(module: str, *args: str, cwd: Path, faults: str = "") -> Any:
-    """``python -m MODULE ARGS`` with ``UPS_FAULTS=faults``, the trackers blocked, logging JSON."""
-    env = os.environ | BLOCKED | {"UPS_LOG_FORMAT": "json", "UPS_FAULTS": faults}
-    command = [sys.executable, "-m", module, *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=180)
-
-
-def ups(*args: str, cwd: Path, faults: str = "") -> Any:
-    """``ups ARGS``, as :func:`python_m` runs it."""
-    return python_m("ups.core", *args, cwd=cwd, faults=faults)
+def ups(*args: str, cwd: Path, faults: str = "") -> subprocess.CompletedProcess[str]:
+    """``ups ARGS`` with ``UPS_FAULTS=faults`` and the trackers blocked."""
+    return run_ups(*args, cwd=cwd, env=BLOCKED | {"UPS_FAULTS": faults}, timeout=180)
 
 
 def lines(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def events(run_dir: Path, name: str) -> list[dict[str, Any]]:
-    """Rank 0's ``name`` events, every attempt's, in order."""
-    logged = (run_dir / "logs" / "rank0.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, logged) if e.get("event") == name]
 
 
 def test_a_2_rank_run_killed_and_restarted_reports_each_step_once_from_the_resumed_attempt(
@@ -59,7 +45,7 @@ def test_a_2_rank_run_killed_and_restarted_reports_each_step_once_from_the_resum
     )
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "runs" / "tiny"
-    assert [e["step"] for e in events(run_dir, "resumed")] == [4]
+    assert [e["step"] for e in events(run_dir / "logs" / "rank0.jsonl", "resumed")] == [4]
     assert not (tmp_path / "runs" / "tiny.1").exists()  # a restart continues the folder
     records = lines(run_dir)
     kinds_steps = [(r["kind"], r["step"]) for r in records]
@@ -71,7 +57,7 @@ def test_a_2_rank_run_killed_and_restarted_reports_each_step_once_from_the_resum
     )
     assert [step for _, step in kinds_steps] == sorted(step for _, step in kinds_steps)
     # Each report after the checkpoint is the resumed attempt's: its timing, as logged then.
-    logged = [json.loads(line) for line in (run_dir / "logs/rank0.jsonl").read_text().splitlines()]
+    logged = events(run_dir / "logs" / "rank0.jsonl")
     resumed = next(i for i, e in enumerate(logged) if e.get("event") == "resumed")
     before, after = (
         {e["step"]: e["step_time_s"] for e in part if e.get("event") == "step"}
@@ -112,10 +98,8 @@ def test_a_second_run_on_a_folder_in_use_exits_2_naming_the_pid_and_the_folder_s
     command = [sys.executable, "-m", "ups.core", "train", str(config)]
     first = subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while not _logged(run_dir, "fault injected"):  # asleep in its step 3
-            assert first.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+        asleep = "the first run asleep in its step 3"
+        wait_for(lambda: _logged(run_dir, "fault injected"), 120, asleep, process=first)
         refusal = f"run folder {run_dir} is in use by the run of process {first.pid} on "
         # ups train's launcher refuses before starting any rank
         second = ups("train", str(config), "--nproc=2", cwd=tmp_path)
@@ -125,7 +109,14 @@ def test_a_second_run_on_a_folder_in_use_exits_2_naming_the_pid_and_the_folder_s
         assert "Traceback" not in second.stderr
         # ranks started by torchrun alone: rank 0 refuses, and every rank with it
         torchrun = "--standalone", "--nproc-per-node=2", "-m", "ups.core", "train", str(config)
-        ranks = python_m("torch.distributed.run", *torchrun, cwd=tmp_path)
+        ranks = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", *torchrun],
+            capture_output=True,
+            text=True,
+            env=env | {"UPS_FAULTS": ""},
+            cwd=tmp_path,
+            timeout=180,
+        )
         assert ranks.returncode != 0
         # (the agent may stop rank 1 once rank 0 has exited)
         assert f"UsageError: {refusal}" in ranks.stderr, ranks.stderr[-3000:]

@@ -4,15 +4,13 @@ one is reported, not a crash."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from ups.core.testing import install_plugin
+from ups.core.testing import events, install_plugin, run_ups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,15 +63,8 @@ def site(tmp_path: Path) -> Path:
 
 
 def ups(site: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = os.environ | {"PYTHONPATH": str(site), "UPS_LOG_FORMAT": "json"}
-    return subprocess.run(
-        [sys.executable, "-m", "ups.core", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=cwd,
-    )
+    """``ups ARGS`` with the plugins installed in ``site`` on its path."""
+    return run_ups(*args, cwd=cwd, env={"PYTHONPATH": str(site)}, timeout=300)
 
 
 def test_plugins_lists_the_third_party_plugin_and_the_broken_one(
@@ -110,9 +101,8 @@ def test_the_third_party_sampler_is_selectable_and_trains_on_two_ranks(
     assert ups(site, "validate", str(path), cwd=tmp_path).returncode == 0
     result = ups(site, "train", str(path), "--nproc", "2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     # 48 samples, 24 a rank, offset 1 drops one: 23 samples in batches of 8 = 3 steps
-    assert [e["steps"] for e in events if e["event"] == "done"] == [3]
+    assert [e["steps"] for e in events(result.stderr, "done")] == [3]
 
 
 def test_a_bad_option_of_the_third_party_plugin_is_a_usage_error(
