@@ -38,10 +38,10 @@ from .batches import to_device
 from .collectives import Failure
 from .commit import STATE_FILE
 from .config import CheckpointChoice, CommHookChoice, Config, FactoryConfig
-from .engine import build_model
 from .imports import load_object
 from .launch import train
 from .loader import build_dataset
+from .parts import build_model
 from .plugins import Registry
 from .rng import seed_all
 from .step import build_step

@@ -1,88 +1,51 @@
-"""The training run: build what the config names, wrap it in DDP, and loop over the epochs.
+"""The training run: the epoch loop over the parts the config builds.
 
-The parts a newcomer reads alone: :mod:`~ups.core.step` (the user's step contract),
+The parts a newcomer reads alone: :mod:`~ups.core.parts` (what the config builds: model, data,
+DDP, optimizer, checkpoint backend), :mod:`~ups.core.step` (the user's step contract),
 :mod:`~ups.core.loader` (the data pipeline), :mod:`~ups.core.stepping` (one optimizer step:
 forward, loss, accumulation, AMP, clipping, failures agreed), :mod:`~ups.core.reporting`
 (metrics over the ranks), :mod:`~ups.core.resume` (checkpoints saved and resumed). This module
-builds them and runs the epoch loop.
+runs the loop, which owns where the run stands.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import math
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import structlog
-import torch
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from pluggy import HookRelay
 
 from .collectives import all_max
 from .config import Config
 from .context import RunContext
 from .desync import check_in_sync
-from .errors import ConfigError
 from .evaluation import evaluate
 from .faults import FaultInjector
-from .imports import load_object
-from .loader import Epoch, build_dataset, data_loader
+from .loader import Epoch, StepBatches
 from .logs import rank_log_file
 from .metrics import LossWindow
-from .optim import build_optimizer, build_scheduler
+from .parts import Parts, build_parts, run_loader
 from .plugins import Registry
 from .preemption import Preemption
-from .profiling import CommCounter, StepProfiler, comm_profile, model_counts
-from .progress import Progress
-from .records import Checkpointer, TrainResult
+from .profiling import StepProfiler, comm_profile, model_counts
+from .records import TrainResult
 from .reporting import Reporter
 from .resume import Position, Resumed, TrainingState
 from .rng import seed_all, set_rng_state
 from .rundir import RunFiles, own_run_dir
 from .schedule import Schedule, apply_lr_multiplier
-from .step import build_step, has_metrics
+from .step import has_metrics
 from .stepping import Forward, Stepper
 from .user_metrics import UserMetrics
-from .validate import check_data, check_loader, select_sampler
 from .watchdog import Watchdog
 
 log = structlog.get_logger()
-
-
-def build_model(config: Config) -> nn.Module:
-    """Call ``model.factory(**model.options)``; check that it returns a module."""
-    model = load_object(config.model.factory, "model.factory")(**config.model.options)
-    if not isinstance(model, nn.Module):
-        raise ConfigError(
-            "model.factory", f"returned {type(model).__name__}, not a torch.nn.Module"
-        )
-    return model
-
-
-def wrap(model: nn.Module, ctx: RunContext, config: Config) -> nn.Module:
-    """Wrap ``model`` in DDP with the config's options (``model`` itself on one process)."""
-    if not ctx.distributed:
-        return model
-    d = config.distributed
-    buffers: dict[str, Any] = {}
-    if not d.broadcast_buffers:
-        # torch >= 2.12 renamed it; the new name still syncs buffers once, at construction.
-        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        buffers = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
-    return DistributedDataParallel(
-        model,
-        device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-        bucket_cap_mb=d.bucket_cap_mb,
-        static_graph=d.static_graph,
-        gradient_as_bucket_view=d.gradient_as_bucket_view,
-        find_unused_parameters=d.find_unused_parameters,
-        **buffers,
-    )
 
 
 def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
@@ -106,138 +69,79 @@ def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
     return result
 
 
+@attrs.frozen
+class Stepping:
+    """What takes the run's optimizer steps on its parts, and what it counts them into."""
+
+    forward: Forward
+    stepper: Stepper
+    window: LossWindow
+    metrics: UserMetrics
+
+
+def stepping(config: Config, ctx: RunContext, parts: Parts, watchdog: Watchdog) -> Stepping:
+    """The forward pass and the stepper over ``parts``, the loss window and the user's metrics
+    they count into (the run's, and ``ups tune``'s trial steps)."""
+    window = LossWindow(config.data.tasks, ctx.device)
+    reduce = config.metrics.reduce if config.metrics is not None else {}
+    metrics_key = "metrics.factory" if config.metrics and config.metrics.factory else None
+    metrics = UserMetrics(
+        reduce,
+        window.tasks,
+        ctx.device,
+        metrics_key or "step.metrics",
+        measured=has_metrics(parts.step),
+    )
+    forward = Forward(
+        parts.step,
+        ctx,
+        config.training.precision,
+        metrics,
+        watchdog,
+        pinned=bool(parts.loader.pin_memory),
+        per_task=len(window.tasks) > 1,
+    )
+    stepper = Stepper(
+        ctx=ctx,
+        training=config.training,
+        model=parts.model,
+        ddp=parts.ddp,
+        forward=forward,
+        optimizer=parts.optimizer,
+        scheduler=parts.scheduler,
+        watchdog=watchdog,
+        even=parts.even,
+    )
+    return Stepping(forward, stepper, window, metrics)
+
+
 class Run:
-    """One rank's training run: what it built from the config, and the epoch loop over it.
-    :func:`train` is how to use it; ``ups tune`` uses :meth:`trial_step`."""
+    """One rank's training run: the parts its config builds (:mod:`~ups.core.parts`), and the
+    epoch loop over them, which owns where the run stands (:attr:`position`). :func:`train` is
+    how to use it."""
 
     def __init__(self, config: Config, ctx: RunContext, registry: Registry) -> None:
-        self.config, self.ctx, self.hook = config, ctx, registry.manager.hook
+        self.config, self.ctx = config, ctx
+        self.hook: HookRelay = registry.manager.hook
         t = config.training
         seed_all(config.run.seed)
-        check_loader(config.data.loader)
-        self.step_fn = build_step(config)
-        self.model = build_model(config).to(ctx.device)
-        if ctx.distributed and config.distributed.sync_batchnorm:
-            convert = nn.SyncBatchNorm.convert_sync_batchnorm
-            self.model = convert(self.model)  # type: ignore[no-untyped-call]
-        self.dataset = build_dataset(config.data, "data")
-        sampler_plugin, sampler_options = select_sampler(
-            registry, config.sampler, "sampler", exact=False
-        )
-        self.sampler = sampler_plugin.factory(
-            self.dataset, ctx=ctx, seed=config.run.seed, options=sampler_options
-        )
         self.schedule = Schedule(
             config.schedule, batch_size=t.batch_size, accumulation_steps=t.accumulation_steps
         )
-        self.loader = self._loader(self.dataset, self.sampler, self.schedule.batch_size)
-        self.eval_loader = None
-        if config.eval is not None:
-            eval_set = build_dataset(config.eval, "eval")
-            plugin, options = select_sampler(
-                registry, config.eval.sampler, "eval.sampler", exact=True
-            )
-            shards = plugin.factory(eval_set, ctx=ctx, seed=config.run.seed, options=options)
-            # Its workers are kept between evaluations: an evaluation set does not change, and
-            # every fork of a rank's workers risks Python's fork hang (own-model.md, 8).
-            self.eval_loader = self._loader(
-                eval_set, shards, config.eval.batch_size or t.batch_size, persistent=True
-            )
-        check_data(config, self.loader, self.eval_loader, ctx.world_size)
-        comm_state: object | None = None
-        """What the comm hook keeps between steps (saved per rank if it has a state_dict)."""
-        module = torch.compile(self.model) if t.compile else self.model
-        self.ddp = wrap(module, ctx, config)  # type: ignore[arg-type]
-        self.comm = CommCounter()
-        if isinstance(self.ddp, DistributedDataParallel):
-            comm_plugin, comm_options = registry.select(
-                "comm_hook", config.comm_hook.name, config.comm_hook.options, "comm_hook"
-            )
-            comm_state = comm_plugin.factory(self.ddp, ctx=ctx, options=comm_options)
-            self.comm = CommCounter(self.ddp, comm_state)
-        ckpt_plugin, ckpt_options = registry.select(
-            "checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint"
-        )
-        self.checkpointer: Checkpointer = ckpt_plugin.factory(
-            ctx=ctx, directory=config.run_dir, options=ckpt_options
-        )
-        optimizer = build_optimizer(
-            t.optimizer,
-            self.ddp.parameters(),
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            options=t.optimizer_options,
-            device=ctx.device,
-        )
-        scheduler = build_scheduler(t.scheduler, optimizer, t.scheduler_options)
-        apply_lr_multiplier(optimizer, self.schedule.lr_multiplier, scheduler)
-        window = LossWindow(config.data.tasks, ctx.device)
-        reduce = config.metrics.reduce if config.metrics is not None else {}
-        metrics_key = "metrics.factory" if config.metrics and config.metrics.factory else None
-        self.metrics = UserMetrics(
-            reduce,
-            window.tasks,
-            ctx.device,
-            metrics_key or "step.metrics",
-            measured=has_metrics(self.step_fn),
-        )
+        self.parts = parts = build_parts(config, ctx, registry, batch_size=self.schedule.batch_size)
+        apply_lr_multiplier(parts.optimizer, self.schedule.lr_multiplier, parts.scheduler)
+        self.loader = parts.loader
+        """The training data's loader, built anew when the schedule changes the batch size."""
         self.restarted = all_max(ctx, ctx.restart_count)
         """How many times the launcher restarted the job (the largest count of any rank: a
         node that joined afresh counts from 0)."""
         self.watchdog = Watchdog(ctx, key=str(self.restarted))
-        pinned = bool(self.loader.pin_memory)
-        self.forward = Forward(
-            self.step_fn,
-            ctx,
-            t.precision,
-            self.metrics,
-            self.watchdog,
-            pinned=pinned,
-            per_task=len(window.tasks) > 1,
-        )
-        self.stepper = Stepper(
-            ctx=ctx,
-            training=t,
-            model=self.model,
-            ddp=self.ddp,
-            forward=self.forward,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            watchdog=self.watchdog,
-            even=sampler_plugin.even,
-        )
-        faults = FaultInjector(ctx.rank, restart_count=self.restarted)
-        if faults:  # in the model's forward: inside DDP's, after its own collectives
-            stepper = self.stepper
-            self.model.register_forward_pre_hook(lambda *_: faults.check(stepper.attempts))
-        self.state = TrainingState(
-            config=config,
-            ctx=ctx,
-            hook=self.hook,
-            model=self.model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=self.stepper.scaler,
-            schedule=self.schedule,
-            sampler=self.sampler,
-            dataset=self.dataset,
-            checkpointer=self.checkpointer,
-            comm_state=comm_state,
-            faults=faults,
-        )
-        flops_per_sample, tokens_per_sample = model_counts(self.model)
-        self.reporter = Reporter(
-            config,
-            ctx,
-            self.hook,
-            RunFiles(config, ctx),
-            window=window,
-            metrics=self.metrics,
-            flops_per_sample=flops_per_sample,
-            tokens_per_sample=tokens_per_sample,
-        )
-        steps = config.run.profile_steps
-        self.profiler = StepProfiler(ctx, config.run_dir, steps) if steps else None
+        steps = stepping(config, ctx, parts, self.watchdog)
+        self.forward, self.stepper, self.metrics = steps.forward, steps.stepper, steps.metrics
+        self.state = self._training_state(self._faults())
+        self.reporter = self._reporter(steps)
+        profile = config.run.profile_steps
+        self.profiler = StepProfiler(ctx, config.run_dir, profile) if profile else None
         self.position = Position(step=0, epoch=0)
         self.evaluated_at = -1
         self._grad_norm = float("nan")
@@ -247,60 +151,123 @@ class Run:
         signals = (signal.Signals[name] for name in config.checkpoint.preempt_signals)
         self.preemption = Preemption(ctx, signals)
 
+    def _reporter(self, steps: Stepping) -> Reporter:
+        """What reports the run's metrics, every ``run.log_every`` steps and at evaluations."""
+        flops_per_sample, tokens_per_sample = model_counts(self.parts.model)
+        return Reporter(
+            self.config,
+            self.ctx,
+            self.hook,
+            RunFiles(self.config, self.ctx),
+            window=steps.window,
+            metrics=steps.metrics,
+            flops_per_sample=flops_per_sample,
+            tokens_per_sample=tokens_per_sample,
+        )
+
+    def _faults(self) -> FaultInjector:
+        """The faults ``UPS_FAULTS`` injects into this rank (tests of failure paths): checked
+        in the model's forward, inside DDP's, after its own collectives."""
+        faults = FaultInjector(self.ctx.rank, restart_count=self.restarted)
+        if faults:
+            stepper = self.stepper
+            self.parts.model.register_forward_pre_hook(lambda *_: faults.check(stepper.attempts))
+        return faults
+
+    def _training_state(self, faults: FaultInjector) -> TrainingState:
+        """What a checkpoint saves and a resume restores."""
+        parts = self.parts
+        assert parts.checkpointer is not None  # built to train
+        return TrainingState(
+            config=self.config,
+            ctx=self.ctx,
+            hook=self.hook,
+            model=parts.model,
+            optimizer=parts.optimizer,
+            scheduler=parts.scheduler,
+            scaler=self.stepper.scaler,
+            schedule=self.schedule,
+            sampler=parts.sampler,
+            dataset=parts.dataset,
+            checkpointer=parts.checkpointer,
+            comm_state=parts.comm_state,
+            faults=faults,
+        )
+
     @property
     def step(self) -> int:
         """Optimizer steps taken."""
         return self.position.step
 
     def train(self) -> TrainResult:
+        """Train: resume if the config or a restart says so, loop until the data,
+        ``max_steps``, the schedule or a preemption ends it, then evaluate and save the last
+        step; what the run did."""
+        self.hook.ups_run_start(ctx=self.ctx, config=self.config)
+        self._log_start()
+        if self.config.checkpoint.resume == "latest" or self.restarted:
+            self._resume()
+        check_in_sync(self.ctx, self.config.digest(), self.step, self.parts.model)
+        if self._resumed is not None and not self._steps_left():
+            return self._complete()
+        self.parts.ddp.train()
+        self.reporter.restart_clock(self.step)
+        with self.watchdog:  # the loop, then the last evaluation and save: a stuck rank is named
+            with (
+                self.profiler or contextlib.nullcontext(),
+                self.reporter.showing_progress(self._total_steps()),
+                self.preemption,
+            ):
+                self._loop()
+            preempted = self.preemption.stopped
+            self._finish(preempted)
+        if preempted:
+            self.reporter.files.preempted(self.step)
+        return self._result(preempted)
+
+    def _log_start(self) -> None:
         t, ctx = self.config.training, self.ctx
-        self.hook.ups_run_start(ctx=ctx, config=self.config)
         log.info(
             "training",
             world_size=ctx.world_size,
             backend=ctx.backend,
             device=str(ctx.device),
-            samples=len(self.dataset),
+            samples=len(self.parts.dataset),
             epochs=t.epochs,
             precision=t.precision,
             batch_size=self.schedule.batch_size,
             accumulation_steps=self.schedule.accumulation_steps,
         )
-        if self.config.checkpoint.resume == "latest" or self.restarted:
-            if self.restarted and ctx.is_main:
-                log.info("restarted by the launcher: resuming", restarts=self.restarted)
-            self._resumed = self.state.resume()
-            if self._resumed is not None:
-                self.position = self._resumed.position
-                self._saved_at = self.step
-                if not self.position.epoch_left:
-                    set_rng_state(self._resumed.rng, ctx.device)
-        check_in_sync(ctx, self.config.digest(), self.step, self.model)
-        if self._resumed is not None and not self._steps_left():
-            return self._complete()
-        self.ddp.train()
-        reporter = self.reporter
-        reporter.restart_clock(self.step)
-        with self.watchdog:  # the loop, then the last evaluation and save: a stuck rank is named
-            with (
-                self.profiler or contextlib.nullcontext(),
-                Progress(ctx, self._total_steps()) as bar,
-                self.preemption,
-            ):
-                reporter.progress = bar
-                self._loop()
-            preempted = self.preemption.stopped
-            if self.step % self.config.run.log_every:
-                reporter.start(self.step, self.position.epoch, self._extra)
-            reporter.finish(self.step)
-            if self.eval_loader is not None and self.evaluated_at != self.step and not preempted:
-                self._evaluate()
-            if self._saved_at != self.step:
-                self._checkpoint()
-            self.checkpointer.wait()
-        if preempted:
-            reporter.files.preempted(self.step)
-        losses = tuple(r["loss"] for r in reporter.reports)
+
+    def _resume(self) -> None:
+        """Go on from the newest checkpoint, if there is one: its position, and its
+        generators unless the loop restores them where it re-enters the epoch."""
+        if self.restarted and self.ctx.is_main:
+            log.info("restarted by the launcher: resuming", restarts=self.restarted)
+        self._resumed = self.state.resume()
+        if self._resumed is not None:
+            self.position = self._resumed.position
+            self._saved_at = self.step
+            if not self.position.epoch_left:
+                set_rng_state(self._resumed.rng, self.ctx.device)
+
+    def _finish(self, preempted: bool) -> None:
+        """After the loop: report the steps since the last report, evaluate the last step
+        (unless preempted), save it if it is not saved, and wait for the saves."""
+        if self.step % self.config.run.log_every:
+            self.reporter.start(self.step, self.position.epoch, self._extra)
+        self.reporter.finish(self.step)
+        evaluates = self.parts.eval_loader is not None and not preempted
+        if evaluates and self.evaluated_at != self.step:
+            self._evaluate()
+        if self._saved_at != self.step:
+            self._checkpoint()
+        assert self.parts.checkpointer is not None  # built to train
+        self.parts.checkpointer.wait()
+
+    def _result(self, preempted: bool) -> TrainResult:
+        reports = self.reporter.reports
+        losses = tuple(r["loss"] for r in reports)
         log.info(
             "done",
             steps=self.step,
@@ -312,8 +279,8 @@ class Run:
             epochs=self.position.epoch,
             losses=losses,
             checkpoint=self._location,
-            metrics=tuple(reporter.reports),
-            eval_metrics=tuple(reporter.eval_reports),
+            metrics=tuple(reports),
+            eval_metrics=tuple(self.reporter.eval_reports),
             preempted=preempted,
         )
 
@@ -337,9 +304,11 @@ class Run:
         while self._steps_left():
             if self.loader.batch_sampler.batch_size != self.schedule.batch_size:  # type: ignore[union-attr]
                 # a scheduled batch size, from this epoch on
-                self.loader = self._loader(self.dataset, self.sampler, self.schedule.batch_size)
-            if hasattr(self.sampler, "set_epoch"):
-                self.sampler.set_epoch(self.position.epoch)
+                parts = self.parts
+                size = self.schedule.batch_size
+                self.loader = run_loader(self.config, self.ctx, parts.dataset, parts.sampler, size)
+            if hasattr(self.parts.sampler, "set_epoch"):
+                self.parts.sampler.set_epoch(self.position.epoch)
             batches = self._enter_epoch()
             left = batches.length
             while left and self._more_steps():
@@ -362,16 +331,14 @@ class Run:
         it stopped: from the sampler's state, or skipping the taken batches unread. Then the
         generators as they were."""
         batches = self.loader.batch_sampler
-        assert batches is not None
+        assert isinstance(batches, StepBatches)
         epoch = self.position.epoch
-        batches.epoch, batches.first, batches.skip = epoch, 0, 0  # type: ignore[attr-defined]
         resumed, self._resumed = self._resumed, None
-        if resumed is not None and resumed.position.epoch_left:
-            taken = resumed.position.epoch_taken
-            if resumed.replay:
-                batches.skip = taken  # type: ignore[attr-defined]
-            elif taken:
-                batches.first = taken  # type: ignore[attr-defined]
+        taken = resumed.position.epoch_taken if resumed and resumed.position.epoch_left else 0
+        if resumed is not None and resumed.replay:
+            batches.start(epoch, skip=taken)
+        else:
+            batches.start(epoch, first=taken)
         passing = Epoch(self.loader)
         if resumed is not None and resumed.position.epoch_left:
             set_rng_state(resumed.rng, self.ctx.device)
@@ -396,22 +363,20 @@ class Run:
         """Report, profile, evaluate, decide, checkpoint and check, as the config says at this
         step; whether a preemption stops the run here."""
         ctx, reporter = self.ctx, self.reporter
-        reporter.progress.update(self.step)
-        reporter.finish(self.step)
+        reporter.step_taken(self.step)
         if self.step % self.config.run.log_every == 0:
             reporter.start(self.step, self.position.epoch, self._extra)
         if self.profiler is not None:
             self._profile_step(self.profiler)
         decision = self.schedule.decide(ctx, self.step, self._maybe_evaluate())
         if decision is not None and decision.lr_multiplier is not None:
-            optimizer, scheduler = self.stepper.optimizer, self.stepper.scheduler
-            apply_lr_multiplier(optimizer, decision.lr_multiplier, scheduler)
+            apply_lr_multiplier(self.parts.optimizer, decision.lr_multiplier, self.parts.scheduler)
         every = self.config.checkpoint.every_steps
         if (every and self.step % every == 0) or (decision and decision.save):
             self._checkpoint()
         check = self.config.distributed.desync_check_every
         if check and self.step % check == 0:
-            check_in_sync(ctx, self.config.digest(), self.step, self.model)
+            check_in_sync(ctx, self.config.digest(), self.step, self.parts.model)
         if self.preemption.agreed():
             log.warning("preempted: saving and stopping", step=self.step)
             return True
@@ -424,7 +389,7 @@ class Run:
             "lr": self.stepper.optimizer.param_groups[0]["lr"],
             "oom_skipped": self.stepper.oom_skipped,
         }
-        extra |= self.comm.metrics(steps)
+        extra |= self.parts.comm.metrics(steps)
         if not math.isnan(self._grad_norm):
             extra["grad_norm"] = self._grad_norm
         return extra
@@ -432,36 +397,6 @@ class Run:
     def _checkpoint(self) -> None:
         self.reporter.check_finite(self.step)
         self._location, self._saved_at = self.state.save(self.position), self.step
-
-    def trial_step(self, batch_size: int) -> None:
-        """One optimizer step on ``batch_size`` samples of the data, on this rank alone (no
-        collective: through the bare module), to see whether it fits in memory."""
-        self.stepper.trial(self._sample_batch(batch_size))
-
-    def _sample_batch(self, size: int) -> Any:
-        """A batch of the data's first ``size`` samples (repeated if the data has fewer),
-        collated as the loader collates."""
-        samples = [self.dataset[i % len(self.dataset)] for i in range(size)]
-        return self.loader.collate_fn(samples)
-
-    def _loader(
-        self, dataset: Any, sampler: Any, batch_size: int, *, persistent: bool = False
-    ) -> DataLoader[Any]:
-        """A loader as ``data.loader`` says; its workers kept between passes where
-        ``persistent``, whatever ``persistent_workers`` says."""
-        options = self.config.data.loader
-        if persistent and options.num_workers:
-            options = attrs.evolve(options, persistent_workers=True)
-        return data_loader(
-            dataset,
-            sampler,
-            batch_size,
-            options,
-            device=self.ctx.device,
-            seed=self.config.run.seed,
-            rank=self.ctx.rank,
-            world_size=self.ctx.world_size,
-        )
 
     def _maybe_evaluate(self) -> float | None:
         """Evaluate if this step is an evaluation step; return the loss (the same on every
@@ -472,14 +407,13 @@ class Run:
         return None
 
     def _evaluate(self) -> dict[str, float]:
-        assert self.eval_loader is not None
-        shards = self.eval_loader.batch_sampler.sampler  # type: ignore[union-attr]
+        loader = self.parts.eval_loader
+        assert loader is not None
+        shards = loader.batch_sampler.sampler  # type: ignore[union-attr]
         if hasattr(shards, "set_epoch"):  # a new order each evaluation, for one that shuffles
             shards.set_epoch(len(self.reporter.eval_reports))
         reduce = self.config.metrics.reduce if self.config.metrics else {}
-        metrics = evaluate(
-            self.model, self.eval_loader, self.forward, self.config.data.tasks, reduce
-        )
+        metrics = evaluate(self.parts.model, loader, self.forward, self.config.data.tasks, reduce)
         self.evaluated_at = self.step
         self.reporter.evaluated(self.step, metrics)
         return metrics
@@ -501,7 +435,7 @@ class Run:
         if profiler.trace is None:
             return
         self.profiler = None
-        batch = self._sample_batch(self.schedule.batch_size)
+        batch = sample_batch(self.parts.dataset, self.loader.collate_fn, self.schedule.batch_size)
 
         def step(sync: bool) -> None:
             self.stepper.backward_alone(batch, sync=sync)
@@ -511,3 +445,9 @@ class Run:
         log.info("communication profile", trace=str(profiler.trace), **profile.summary())
         if self.ctx.is_main:
             (profiler.trace.parent / "comm.json").write_text(json.dumps(profile.as_dict()))
+
+
+def sample_batch(dataset: Any, collate: Callable[[list[Any]], Any], size: int) -> Any:
+    """A batch of ``dataset``'s first ``size`` samples (repeated if it has fewer), collated by
+    ``collate`` (the loader's), for steps outside the loop: profiles and ``ups tune``'s."""
+    return collate([dataset[i % len(dataset)] for i in range(size)])

@@ -135,9 +135,8 @@ class StepBatches(Sampler[list[int]]):
     batch it draws, for :meth:`consumed` to hand out in order. A sampler with
     ``set_batch_size`` is told the batch size before each iteration.
 
-    Set :attr:`epoch` and :attr:`first` (batches of the epoch taken before, after a resume)
-    and :attr:`skip` (batches to pass over unread, for a sampler without a state) before
-    iterating. ``seed``: the run's, or ``None`` for batches without seeds.
+    :meth:`start` says which epoch the next iteration is, and where in it to begin.
+    ``seed``: the run's, or ``None`` for batches without seeds.
     """
 
     def __init__(
@@ -150,6 +149,12 @@ class StepBatches(Sampler[list[int]]):
         self.overran = False
         """Whether a pass found the sampler yielding more than its ``len()`` (:meth:`Epoch.end`)."""
         self._states: collections.deque[dict[str, Any]] = collections.deque()
+
+    def start(self, epoch: int, *, first: int = 0, skip: int = 0) -> None:
+        """Make the next iteration epoch ``epoch`` (counted from 0), its batches numbered from
+        ``first`` (those of the epoch taken before a resume, from a sampler's state), the
+        first ``skip`` passed over unread (those taken before, by a sampler without a state)."""
+        self.epoch, self.first, self.skip = epoch, first, skip
 
     def __len__(self) -> int:
         return max(0, math.ceil(len(self.sampler) / self.batch_size) - self.skip)

@@ -7,14 +7,15 @@ step later, so no rank waits on the others or on rank 0's logging before its nex
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import attrs
 import structlog
+from pluggy import HookRelay
 
 from .collectives import all_max
 from .config import Config
@@ -52,7 +53,7 @@ class Reporter:
         self,
         config: Config,
         ctx: RunContext,
-        hook: Any,
+        hook: HookRelay,
         files: RunFiles,
         *,
         window: LossWindow,
@@ -68,6 +69,21 @@ class Reporter:
         self.progress = Progress(ctx, None, enabled=False)
         self._pending: _Report | None = None
         self._reported_at = (0, time.perf_counter())
+
+    @contextlib.contextmanager
+    def showing_progress(self, total: int) -> Iterator[None]:
+        """Show a progress bar of ``total`` steps while inside (rank 0, on a terminal). The
+        reports after it (the run's last) still go where the bar's would: on a terminal, the
+        full record to the rank's log file alone."""
+        with Progress(self.ctx, total) as bar:
+            self.progress = bar
+            yield
+
+    def step_taken(self, step: int) -> None:
+        """The run took optimizer step ``step``: the bar moves, and the report started at the
+        step before is finished."""
+        self.progress.update(step)
+        self.finish(step)
 
     def restart_clock(self, step: int) -> None:
         """Count the next report's steps and time from ``step``, now."""

@@ -16,7 +16,9 @@ from typing import Any
 import attrs
 import structlog
 import torch
+from pluggy import HookRelay
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from .config import Config
 from .context import RunContext
@@ -145,10 +147,10 @@ class TrainingState:
 
     config: Config
     ctx: RunContext
-    hook: Any
+    hook: HookRelay
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: LRScheduler | None
     scaler: torch.amp.GradScaler
     schedule: Schedule
     sampler: Any

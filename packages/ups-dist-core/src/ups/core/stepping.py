@@ -24,6 +24,7 @@ import structlog
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LRScheduler
 
 from .batches import to_device
 from .collectives import Agreement, Failure, RankFailedError, sum_later
@@ -327,7 +328,7 @@ class Stepper:
         ddp: nn.Module,
         forward: Forward,
         optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        scheduler: LRScheduler | None,
         watchdog: Watchdog,
         even: bool,
     ) -> None:

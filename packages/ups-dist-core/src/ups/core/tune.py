@@ -1,21 +1,21 @@
 """``ups tune``: the largest per-rank batch size that fits in memory on every rank.
 
-Every rank builds the run as ``ups train`` would (in a scratch folder: nothing of the run's own
-folder is touched) and :func:`~ups.core.batch_size.find_batch_size` tries optimizer steps of
-growing batch sizes, agreeing after each on whether it fitted everywhere.
+Every rank builds what a training step needs as ``ups train`` would (no evaluation data, no
+checkpoint backend, no run folder: nothing of the run's own folder is touched) and
+:func:`~ups.core.batch_size.find_batch_size` tries optimizer steps of growing batch sizes,
+agreeing after each on whether it fitted everywhere.
 """
 
 from __future__ import annotations
 
-import tempfile
-
-import attrs
-
 from .batch_size import find_batch_size
 from .config import Config
 from .context import RunContext
-from .engine import Run
+from .engine import sample_batch, stepping
+from .parts import build_parts
 from .plugins import Registry, load_plugins
+from .rng import seed_all
+from .watchdog import Watchdog
 
 
 def tune_batch_size(
@@ -29,11 +29,19 @@ def tune_batch_size(
     """Return the largest ``training.batch_size`` (per rank) whose optimizer step fits on every
     rank, from ``start`` up to ``limit`` (default: this rank's share of the data). The same
     number on every rank; every rank calls this together."""
-    with tempfile.TemporaryDirectory(prefix="ups-tune-") as scratch:
-        config = attrs.evolve(config, run=attrs.evolve(config.run, output_dir=scratch))
-        run = Run(config, ctx, registry)
-        shard = len(run.sampler) if hasattr(run.sampler, "__len__") else len(run.dataset)
-        return find_batch_size(ctx, run.trial_step, start=start, limit=limit or shard)
+    seed_all(config.run.seed)
+    size = config.training.batch_size
+    parts = build_parts(config, ctx, registry, batch_size=size, to_train=False)
+    stepper = stepping(config, ctx, parts, Watchdog(ctx)).stepper
+    collate = parts.loader.collate_fn
+
+    def trial_step(batch_size: int) -> None:
+        """One optimizer step on this rank alone (no collective: through the bare module)."""
+        stepper.trial(sample_batch(parts.dataset, collate, batch_size))
+
+    sampler, dataset = parts.sampler, parts.dataset
+    shard = len(sampler) if hasattr(sampler, "__len__") else len(dataset)
+    return find_batch_size(ctx, trial_step, start=start, limit=limit or shard)
 
 
 def tune_here(ctx: RunContext, config: Config, start: int, limit: int | None) -> int:
