@@ -175,7 +175,14 @@ def test_plugins(session: nox.Session) -> None:
     plugins' tests, their types, the docs' tests, the commands that do not train importing no
     torch, and the site built with ``mkdocs --strict``."""
     session.install(
-        "-c", str(CONSTRAINTS), TORCH, "pytest>=8", TOOLS["mypy"], "types-PyYAML", *DOCS
+        "-c",
+        str(CONSTRAINTS),
+        TORCH,
+        "pytest>=8",
+        "hypothesis>=6.100",
+        TOOLS["mypy"],
+        "types-PyYAML",
+        *DOCS,
     )
     session.install(
         "-c",

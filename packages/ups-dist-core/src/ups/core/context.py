@@ -29,6 +29,9 @@ from .errors import UsageError
 
 log = structlog.get_logger()
 
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set (to ``True``) by torchrun's agent where the ranks' store is its own, kept across restarts."""
+
 Backend = Literal["auto", "gloo", "nccl"]
 Enabled = bool | Literal["auto"]
 Launcher = Literal["torchrun", "slurm", "single"]
@@ -275,14 +278,17 @@ def _single(place: Placement) -> RunContext:
 
 
 def _init(place: Placement, backend: str, timeout_s: float) -> None:
-    """Join the process group at ``MASTER_ADDR:MASTER_PORT``, under a store prefix of this
-    attempt's own (``ups/attempt-<restart count>``).
+    """Join the process group at ``MASTER_ADDR:MASTER_PORT``; where torchrun's agent hosts
+    that store, under a prefix of this attempt's own (``ups/attempt-<restart count>``).
 
-    Where torchrun's agent hosts that store (``TORCHELASTIC_USE_AGENT_STORE``), it keeps it
-    across restarts: with ``--master-port`` (a static rendezvous), or c10d's without
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. Without the prefix, a restarted attempt's ranks
-    would read the addresses the failed attempt's left there and fail to connect to them
-    (``Gloo connectFullMesh failed ... Connection refused``), or wait for ever.
+    The agent's store (``TORCHELASTIC_USE_AGENT_STORE``: with ``--master-port``, a static
+    rendezvous, or c10d's without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) lives across
+    restarts: without the prefix, a restarted attempt's ranks would read the addresses the
+    failed attempt's left there and fail to connect to them (``Gloo connectFullMesh failed ...
+    Connection refused``), or wait for ever. Any other store is rank 0's, new each attempt, and
+    takes no prefix: a machine that joins afresh counts its restarts from 0 while the others
+    count on, so the count would keep it apart from them (as torch's own ``env://`` does, the
+    prefix keys on the agent's count only where the agent keeps the store).
     """
     if place.master_addr is None or place.master_port is None:
         raise UsageError(
@@ -291,9 +297,11 @@ def _init(place: Placement, backend: str, timeout_s: float) -> None:
     timeout = datetime.timedelta(seconds=collective_timeout(timeout_s))
     url = f"tcp://{place.master_addr}:{place.master_port}"
     store, _, _ = next(rendezvous(url, place.rank, place.world_size, timeout=timeout))
+    if os.environ.get(AGENT_STORE) == str(True):
+        store = PrefixStore(f"ups/attempt-{place.restart_count}", store)
     dist.init_process_group(
         backend=backend,
-        store=PrefixStore(f"ups/attempt-{place.restart_count}", store),
+        store=store,
         rank=place.rank,
         world_size=place.world_size,
         timeout=timeout,
