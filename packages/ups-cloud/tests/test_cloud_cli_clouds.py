@@ -16,11 +16,10 @@ from typing import Any, Protocol, get_type_hints
 import pytest
 import vultr_server
 from vast_server import VastServer
-from without import without
 
 from ups.cloud import local, slurm, vastai, vultr
 from ups.core import TERMINAL, JobState
-from ups.core.testing import run_ups, tiny_project
+from ups.core.testing import run_ups, tiny_project, without
 
 VAST_KEY = "planted-vast-key-0c4d81b7e2"
 

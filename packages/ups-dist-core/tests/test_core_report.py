@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from ups.core import load_config, train
 from ups.core.cli import main
 from ups.core.errors import UsageError
 from ups.core.report import plot, read_metrics, run_name, summary
-from ups.core.testing import tiny_project
+from ups.core.testing import tiny_project, without
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -237,46 +236,22 @@ def test_cli_rejects_an_output_it_cannot_write(
     assert message.format(tmp=tmp_path) in err
 
 
-NO_MATPLOTLIB = """
-import sys
-
-
-class NoMatplotlib:
-    \"\"\"Finds matplotlib nowhere, as if it were not installed.\"\"\"
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, NoMatplotlib())
-"""
-"""A ``sitecustomize`` module: on ``PYTHONPATH``, the interpreter runs it at start-up, and
-matplotlib cannot be imported in that process."""
-
-
-def without_matplotlib(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS`` in a process that cannot import matplotlib."""
-    (folder / "sitecustomize.py").write_text(NO_MATPLOTLIB)
+def without_matplotlib(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` (under :func:`~ups.core.testing.without` matplotlib)."""
     return subprocess.run(
-        [sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=os.environ | {"PYTHONPATH": str(folder)},
-        check=False,
+        [sys.executable, *args], capture_output=True, text=True, timeout=120, check=False
     )
 
 
 def test_cli_without_matplotlib_prints_the_table_and_says_what_draws_the_figure(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = write_run(tmp_path / "run", TWO_TASKS, name="two-tasks")
-    blocked = without_matplotlib(tmp_path, "-c", "import matplotlib")
+    without(monkeypatch, tmp_path / "site", "matplotlib")
+    blocked = without_matplotlib("-c", "import matplotlib")
     assert "ModuleNotFoundError: No module named 'matplotlib'" in blocked.stderr
 
-    done = without_matplotlib(tmp_path, "-m", "ups.core", "report", str(run))
+    done = without_matplotlib("-m", "ups.core", "report", str(run))
 
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == (
@@ -287,9 +262,7 @@ def test_cli_without_matplotlib_prints_the_table_and_says_what_draws_the_figure(
 
     # A figure asked for by name: the table, then the error.
     output = tmp_path / "loss.png"
-    done = without_matplotlib(
-        tmp_path, "-m", "ups.core", "report", str(run), "--output", str(output)
-    )
+    done = without_matplotlib("-m", "ups.core", "report", str(run), "--output", str(output))
 
     assert (done.returncode, done.stdout) == (2, f"{TWO_TASKS_SUMMARY}\n")
     assert done.stderr == (

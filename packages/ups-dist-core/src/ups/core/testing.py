@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import yaml
@@ -29,6 +29,9 @@ from .commit import STATE_FILE, rank_file
 from .context import distributed_session
 from .forkserver import restore_environment, start_method
 from .launch import free_port
+
+if TYPE_CHECKING:
+    import pytest
 
 T = TypeVar("T")
 
@@ -390,3 +393,43 @@ def kill_all_in(namespace: str) -> None:
     for pid in found.stdout.split():
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+WITHOUT = "UPS_TEST_WITHOUT"
+"""The packages (comma-separated) that :func:`without` makes processes lack."""
+SITECUSTOMIZE = f'''"""Imports of the packages named in ${WITHOUT} fail, as if not installed."""
+import os
+import sys
+from importlib.abc import MetaPathFinder
+
+_ABSENT = frozenset(filter(None, os.environ.get("{WITHOUT}", "").split(",")))
+
+
+class _Absent(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in _ABSENT:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Absent())
+'''
+"""A ``sitecustomize`` module: on ``PYTHONPATH``, the interpreter runs it at start-up, and a
+finder first on ``sys.meta_path`` answers an import of the packages :data:`WITHOUT` names (and
+of their modules) as Python answers one of a package that is not there."""
+
+
+def without(monkeypatch: pytest.MonkeyPatch, folder: Path, *packages: str) -> None:
+    """Have the processes a test starts from now on (:func:`run_ups`, ``subprocess``) run as
+    where ``packages`` are not installed (everything else from the same environment), through
+    a ``sitecustomize`` in ``folder``; checks that they do."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    paths = [str(folder), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    monkeypatch.setenv(WITHOUT, ",".join(packages))
+    for package in packages:
+        tried = subprocess.run(
+            [sys.executable, "-c", f"import {package}"], capture_output=True, text=True, check=False
+        )
+        assert f"ModuleNotFoundError: No module named '{package}'" in tried.stderr, tried
