@@ -17,7 +17,7 @@ import pytest
 import vultr_server
 from vast_server import VastServer
 
-from ups.cloud import local, slurm, vastai, vultr
+from ups.cloud import LocalLauncher, SlurmLauncher, VastAILauncher, VultrLauncher
 from ups.core import TERMINAL, JobState
 from ups.core.testing import run_ups, tiny_project, without
 
@@ -217,13 +217,7 @@ def test_following_a_stopped_job_ends_saying_it_still_bills(
 def test_every_state_of_a_launcher_ends_a_follow_or_is_a_live_one() -> None:
     """``ups logs --follow`` returns at the TERMINAL states and waits out the others: a state
     a launcher adds must be one or the other deliberately."""
-    launchers = (
-        local.LocalLauncher,
-        slurm.SlurmLauncher,
-        vastai.VastAILauncher,
-        vultr.VultrLauncher,
-    )
-    for launcher in launchers:
+    for launcher in (LocalLauncher, SlurmLauncher, VastAILauncher, VultrLauncher):
         assert get_type_hints(launcher.status)["return"] is JobState, launcher
     assert set(JobState) - set(TERMINAL) <= {"PENDING", "RUNNING"}
 

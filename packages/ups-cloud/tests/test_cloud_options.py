@@ -1,4 +1,4 @@
-"""What the cloud launchers' options share (:mod:`ups.cloud.options`), read as a config's
+"""What the cloud launchers' options share (:mod:`ups.cloud._options`), read as a config's
 ``launch.options`` are (:func:`ups.core.structure`) and from Python. The commands' messages
 for them are in test_cloud_cli_clouds.py; a package missing here is tested there, in processes
 that really lack it."""
@@ -13,9 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ups.cloud.options import check_readable_here, require, within
-from ups.cloud.vastai import VastAILauncherOptions
-from ups.cloud.vultr import VultrLauncherOptions
+from ups.cloud import VastAILauncherOptions, VultrLauncherOptions
+from ups.cloud._options import check_readable_here, require, within
 from ups.core import ConfigError, UsageError, structure
 
 PLAN = {"plan": "vcg-a100-1c-6g-4vram", "region": "ewr"}

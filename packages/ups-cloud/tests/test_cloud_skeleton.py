@@ -1,4 +1,4 @@
-"""What the cloud launchers share (:mod:`ups.cloud._cloud`, :mod:`ups.cloud.options`): one
+"""What the cloud launchers share (:mod:`ups.cloud._cloud`, :mod:`ups.cloud._options`): one
 definition of each option both have, one handle format, one wait. Each launcher's submit with
 rollback, waits and deletes run against its loopback server in test_cloud_vastai.py and
 test_cloud_vultr.py."""
@@ -14,10 +14,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ups.cloud import (
+    CloudOptions,
+    VastAILauncher,
+    VastAILauncherOptions,
+    VultrLauncher,
+    VultrLauncherOptions,
+)
 from ups.cloud._cloud import wait_until
-from ups.cloud.options import CloudOptions
-from ups.cloud.vastai import VastAILauncher, VastAILauncherOptions
-from ups.cloud.vultr import DEFAULT_BASE_URL, VultrLauncher, VultrLauncherOptions
+from ups.cloud._vultr import DEFAULT_BASE_URL
 from ups.core import ConfigError, UsageError, structure
 
 PLAN: dict[str, Any] = {"plan": "vcg-a100-1c-6g-4vram", "region": "ewr"}

@@ -21,7 +21,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from launched import Tidy, cancelling, events, tiny, wait_for
 
-from ups.cloud.slurm import TIME_FORMATS, SlurmLauncher, SlurmOptions
+from ups.cloud import SlurmLauncher, SlurmOptions
+from ups.cloud._slurm import TIME_FORMATS
 from ups.core import LaunchRequest, UsageError
 from ups.core.testing import run_ups
 

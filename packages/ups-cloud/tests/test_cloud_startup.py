@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from ups.cloud._vultr import FIRST_MACHINE_RDZV_HOST
 from ups.cloud.startup import (
     EXIT_FILE,
     LOG_FILE,
@@ -31,7 +32,6 @@ from ups.cloud.startup import (
     node_upload_url,
     upload,
 )
-from ups.cloud.vultr import FIRST_MACHINE_RDZV_HOST
 from ups.core import LaunchRequest, UsageError
 from ups.core.testing import free_port, tiny_project, two_machines
 

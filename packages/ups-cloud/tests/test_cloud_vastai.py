@@ -18,13 +18,9 @@ import attrs
 import pytest
 from vast_server import VastServer
 
+from ups.cloud import VastAIError, VastAILauncher, VastAILauncherOptions
+from ups.cloud._vastai import MULTI_MACHINE_WARNING
 from ups.cloud.startup import EXIT_FILE, LOG_FILE
-from ups.cloud.vastai import (
-    MULTI_MACHINE_WARNING,
-    VastAIError,
-    VastAILauncher,
-    VastAILauncherOptions,
-)
 from ups.core import LaunchRequest, UsageError
 from ups.core.testing import tiny_project
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from vultr_server import KEY, VultrServer, serve
 
-from ups.cloud.vultr import VultrError, VultrLauncher, VultrLauncherOptions
+from ups.cloud import VultrError, VultrLauncher, VultrLauncherOptions
 from ups.core import LaunchRequest, UsageError
 from ups.core.testing import tiny_project
 

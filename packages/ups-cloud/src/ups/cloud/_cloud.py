@@ -23,7 +23,7 @@ import structlog
 
 from ups.core import LaunchRequest, UsageError, load_config
 
-from .options import CloudOptions
+from ._options import CloudOptions
 from .startup import StartupScript, machine_files, machine_request, node_upload_url
 
 log = structlog.get_logger()

@@ -13,26 +13,26 @@ def ups_launchers() -> list[LauncherPlugin]:
     return [
         LauncherPlugin(
             name="local",
-            factory=imported("ups.cloud.local:LocalLauncher"),
-            options=imported("ups.cloud.local:LocalLauncherOptions"),
+            factory=imported("ups.cloud:LocalLauncher"),
+            options=imported("ups.cloud:LocalLauncherOptions"),
             description="torch.distributed.run on this machine, detached, followed by file",
         ),
         LauncherPlugin(
             name="slurm",
-            factory=imported("ups.cloud.slurm:SlurmLauncher"),
-            options=imported("ups.cloud.slurm:SlurmOptions"),
+            factory=imported("ups.cloud:SlurmLauncher"),
+            options=imported("ups.cloud:SlurmOptions"),
             description="an sbatch script running torch.distributed.run through srun",
         ),
         LauncherPlugin(
             name="vastai",
-            factory=imported("ups.cloud.vastai:VastAILauncher"),
-            options=imported("ups.cloud.vastai:VastAILauncherOptions"),
+            factory=imported("ups.cloud:VastAILauncher"),
+            options=imported("ups.cloud:VastAILauncherOptions"),
             description="VastAI GPU instances: offer search, create with the start-up script",
         ),
         LauncherPlugin(
             name="vultr",
-            factory=imported("ups.cloud.vultr:VultrLauncher"),
-            options=imported("ups.cloud.vultr:VultrLauncherOptions"),
+            factory=imported("ups.cloud:VultrLauncher"),
+            options=imported("ups.cloud:VultrLauncherOptions"),
             description="Vultr cloud GPU instances over the v2 REST API, start-up script as user data",
         ),
     ]

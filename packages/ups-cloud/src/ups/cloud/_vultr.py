@@ -49,7 +49,7 @@ from urllib3.util.retry import Retry
 from ups.core import JobState, LaunchRequest, UsageError, load_config
 
 from ._cloud import CloudLauncher, Row
-from .options import CloudOptions, check_readable_here, seconds
+from ._options import CloudOptions, check_readable_here, seconds
 from .startup import EXIT_FILE, LOG_FILE
 
 log = structlog.get_logger()
@@ -75,7 +75,7 @@ READS_UPLOAD = "reading it here (ups status, ups logs)"
 
 @attrs.frozen(kw_only=True)
 class VultrLauncherOptions(CloudOptions):
-    """Options of the ``vultr`` launcher (and those of :class:`~ups.cloud.options.CloudOptions`:
+    """Options of the ``vultr`` launcher (and those of :class:`~ups.cloud.CloudOptions`:
     ``api_key_file``, ``upload_url``, ``packages``, ``files``, ...)."""
 
     plan: str

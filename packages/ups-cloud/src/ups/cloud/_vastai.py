@@ -43,7 +43,7 @@ import structlog
 from ups.core import JobState, LaunchRequest, UsageError, above, at_least
 
 from ._cloud import CloudLauncher, Row
-from .options import CloudOptions, require, seconds, within
+from ._options import CloudOptions, require, seconds, within
 from .startup import EXIT_FILE, StartupScript, machine_request
 
 log = structlog.get_logger()
@@ -79,7 +79,7 @@ class _GoneError(VastAIError):
 
 @attrs.frozen(kw_only=True)
 class VastAILauncherOptions(CloudOptions):
-    """Options of the ``vastai`` launcher (and those of :class:`~ups.cloud.options.CloudOptions`:
+    """Options of the ``vastai`` launcher (and those of :class:`~ups.cloud.CloudOptions`:
     ``api_key_file``, ``upload_url``, ``packages``, ``files``, ...)."""
 
     gpu_name: str | None = None
