@@ -71,3 +71,12 @@ def test_a_missing_package_says_what_to_install() -> None:
         "the x launcher needs the 'no_such_package_ups' package, which is not installed here: "
         "pip install 'no-such-package>=1'"
     )
+
+
+@pytest.mark.parametrize(("key", "value"), [("retries", -1), ("backoff_s", -0.5)])
+def test_vultr_refuses_a_negative_retry_count_or_backoff_naming_its_key(
+    key: str, value: float
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        structure(VultrLauncherOptions, {**PLAN, key: value}, "launch.options")
+    assert str(caught.value) == f"launch.options.{key}: {value} is not allowed: must be >= 0"

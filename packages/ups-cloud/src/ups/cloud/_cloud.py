@@ -8,8 +8,9 @@ The API key comes from the environment (``api_key_env``) or from a file the user
 (``api_key_file``), and goes only to the cloud's API: a start-up script that would contain it
 is refused, and neither the handle nor a log line holds it.
 
-A cloud's launcher subclasses :class:`CloudLauncher` with its API: show, create, delete an
-instance, and say when one is ready.
+A cloud's launcher subclasses :class:`CloudLauncher` with its API: check what a submit needs
+before it creates anything, create, show and delete an instance, and say when one is ready. The
+state of a job its machines ended is :func:`exit_state` of the exit status they report.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import structlog
 
-from ups.core import LaunchRequest, UsageError, load_config
+from ups.core import JobState, LaunchRequest, UsageError, load_config
 
 from ._options import CloudOptions
 from .startup import StartupScript, machine_files, machine_request, node_upload_url
@@ -34,8 +35,15 @@ Id = TypeVar("Id", int, str)
 """An instance's id (VastAI's are numbers, Vultr's strings)."""
 Rendezvous = TypeVar("Rendezvous")
 """What the machines after the first take from its record: where its rendezvous is."""
+Plan = TypeVar("Plan")
+"""What a submit finds before it creates anything, and each create uses (VastAI: the offers)."""
 Row = dict[str, Any]
 """An instance's record, as the cloud's API answers it."""
+
+
+def exit_state(status: str) -> JobState:
+    """The state of a job whose start-up script ended with exit ``status`` (its text)."""
+    return JobState.SUCCEEDED if status.strip() == "0" else JobState.FAILED
 
 
 def wait_until(
@@ -61,7 +69,7 @@ def wait_until(
         time.sleep(poll_s)
 
 
-class CloudLauncher(ABC, Generic[Options, Id, Rendezvous]):
+class CloudLauncher(ABC, Generic[Options, Id, Rendezvous, Plan]):
     """A launcher whose machines are a cloud's instances (see the module doc)."""
 
     NAME: ClassVar[str]
@@ -80,6 +88,21 @@ class CloudLauncher(ABC, Generic[Options, Id, Rendezvous]):
     @abstractmethod
     def _parse_id(self, text: str) -> Id:
         """The instance id ``text`` names; :class:`ValueError` if it names none."""
+
+    @abstractmethod
+    def _plan(self, request: LaunchRequest) -> Plan:
+        """Check ``request``, the key and what the machines need, creating nothing; return
+        what :meth:`_create` needs.
+
+        :raises UsageError: naming what is wrong.
+        """
+
+    @abstractmethod
+    def _create(
+        self, request: LaunchRequest, plan: Plan, rank: int, rendezvous: Rendezvous | None
+    ) -> Id:
+        """Create machine ``rank``'s instance (``rendezvous``: the first one's, for the
+        others); raises ``ERROR`` or :class:`UsageError` when it fails."""
 
     @abstractmethod
     def _show(self, instance: Id) -> Row | None:
@@ -113,6 +136,38 @@ class CloudLauncher(ABC, Generic[Options, Id, Rendezvous]):
         deleted but ``left`` (instance -> why)."""
 
     # -- written once -------------------------------------------------------------------------
+
+    def submit(self, request: LaunchRequest) -> str:
+        """Create machine 0, wait until it is ready, then the others with its rendezvous, and
+        wait for them; return the handle.
+
+        :raises UsageError: a bad request, options or key; or ``ERROR``: after deleting every
+            instance created, naming them (:meth:`_rolled_back`).
+        """
+        plan = self._plan(request)
+        created: list[Id] = []
+        try:
+            rendezvous: Rendezvous | None = None
+            for rank in range(request.nnodes):
+                created.append(self._create(request, plan, rank, rendezvous))
+                if rank == 0:
+                    several = request.nnodes > 1
+                    first = self._wait_ready(created[0], rendezvous=several)
+                    rendezvous = self._rendezvous(created[0], first) if several else None
+            for instance in created[1:]:
+                self._wait_ready(instance)
+        except BaseException as error:
+            left = self._delete_all(created)
+            message = self._rolled_back(error, created, left)
+            if isinstance(error, UsageError):
+                raise UsageError(message) from error
+            if isinstance(error, Exception):
+                raise self.ERROR(message) from error
+            log.error("submit interrupted", created=created, left=list(left))
+            raise
+        handle = self._handle(created)
+        log.info(f"{self.NAME} job submitted", handle=handle)
+        return handle
 
     def cancel(self, handle: str) -> None:
         """Delete every instance of the job (those already gone are skipped).
@@ -172,35 +227,6 @@ class CloudLauncher(ABC, Generic[Options, Id, Rendezvous]):
         ).render()
         self._key.refuse_in(text, "the start-up script")
         return text
-
-    def _start(self, request: LaunchRequest, create: Callable[[int, Rendezvous | None], Id]) -> str:
-        """Create machine 0 (``create(rank, rendezvous)``), wait until it is ready, then the
-        others with its rendezvous, and wait for them; return the handle.
-
-        :raises UsageError: ``error`` was one, or ``ERROR``: after deleting every instance
-            created, naming them (:meth:`_rolled_back`).
-        """
-        created: list[Id] = []
-        try:
-            rendezvous: Rendezvous | None = None
-            for rank in range(request.nnodes):
-                created.append(create(rank, rendezvous))
-                if rank == 0:
-                    several = request.nnodes > 1
-                    first = self._wait_ready(created[0], rendezvous=several)
-                    rendezvous = self._rendezvous(created[0], first) if several else None
-            for instance in created[1:]:
-                self._wait_ready(instance)
-        except BaseException as error:
-            left = self._delete_all(created)
-            message = self._rolled_back(error, created, left)
-            if isinstance(error, UsageError):
-                raise UsageError(message) from error
-            if isinstance(error, Exception):
-                raise self.ERROR(message) from error
-            log.error("submit interrupted", created=created, left=list(left))
-            raise
-        return self._handle(created)
 
     def _wait_ready(self, instance: Id, *, rendezvous: bool = False) -> Row:
         """The record of ``instance`` once it is ready (see :meth:`_ready`).

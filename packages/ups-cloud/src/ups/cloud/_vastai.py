@@ -1,38 +1,35 @@
 """The ``vastai`` launcher: rent GPU machines on VastAI and run the start-up script on them.
 
 ``submit`` searches the offers (``POST /bundles/``: GPU name and count, GPU RAM, reliability,
-price cap; cheapest first), then creates the instances (``PUT /asks/OFFER/``) as every cloud
-launcher does (:mod:`ups.cloud._cloud`: the first alone, all destroyed if any step fails; the
-handle ``vastai:ID1,ID2,...``), each with ``image`` and its start-up script
-(:mod:`ups.cloud.startup`) as its on-start command, and waits until each is ``running``
-(``GET /instances/ID/``). ``status`` reads the instances, ``logs`` fetches their logs (``PUT
-/instances/request_logs/ID/``, then the ``result_url`` it names) and ``cancel`` destroys them
-(``DELETE /instances/ID/``). All of it goes through the maintained ``vastai`` package's API
-layer (``vastai.api``: its ``VastClient``), pointed at ``url``, which holds the key in this
-process. The client tries a request up to ``retries`` times while it is answered 429 or
-502/503/504: it waits what ``Retry-After`` says (a wait over 60 s is not retried), else 0.15 s,
-then 1.5 times longer each time.
+price cap; cheapest first), then creates the instances (``PUT /asks/OFFER/``;
+:mod:`ups.cloud._cloud`), each with ``image`` and its start-up script as its on-start command,
+and waits until each is ``running`` (``GET /instances/ID/``). ``status`` reads the instances,
+``logs`` fetches their logs and ``cancel`` destroys them (``DELETE /instances/ID/``). All of it
+goes through the maintained ``vastai`` package's API layer (``vastai.api``), pointed at ``url``,
+which holds the key in this process and tries a request up to ``retries`` times while it is
+answered 429 or 502/503/504: it waits what ``Retry-After`` says (a wait over 60 s is not
+retried), else 0.15 s, then 1.5 times longer each time.
 
 Several machines: the first instance's public address and the host port mapped to its
 container port ``rdzv_port`` are the others' c10d rendezvous endpoint (it itself uses
-``localhost``). That mapped port carries the rendezvous only: the process group's store and
-gloo/NCCL then connect to each machine's own address (the one its script finds, or that of
-``network_interface``) on ports not mapped, so a multi-machine job trains only where the
-machines reach each other directly on every port (one private network or overlay); behind
-VastAI's NAT it waits until torch's timeouts end it, billing. ``dry_run`` and ``submit`` log a
-warning (:data:`MULTI_MACHINE_WARNING`) for every such job.
+``localhost``). That port carries the rendezvous only: the process group connects to each
+machine's own address on ports not mapped, so a multi-machine job trains only where the
+machines reach each other directly (one private network); ``dry_run`` and ``submit`` warn
+(:data:`MULTI_MACHINE_WARNING`).
 
 The script stops its own instance at the end (``auto_shutdown``) with the instance-scoped key
 VastAI puts in every container (``$CONTAINER_API_KEY``, given to the ``vastai`` CLI as
-``VAST_API_KEY`` in its environment), after labelling the instance ``ups-exit-STATUS`` so that
-``status`` can tell success from failure.
+``VAST_API_KEY``), after labelling the instance ``ups-exit-STATUS`` so that ``status`` can tell
+success from failure.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib
 import json
+import operator
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
@@ -42,7 +39,7 @@ import structlog
 
 from ups.core import JobState, LaunchRequest, UsageError, above, at_least
 
-from ._cloud import CloudLauncher, Row
+from ._cloud import CloudLauncher, Row, exit_state
 from ._options import CloudOptions, require, seconds, within
 from .startup import EXIT_FILE, StartupScript, machine_request
 
@@ -66,6 +63,12 @@ MULTI_MACHINE_WARNING = (
 )
 """What ``dry_run`` and ``submit`` log (and the dry run shows) for a job of several machines."""
 _NEAREST = 3
+_OPS: dict[str, tuple[str, Callable[[Any, Any], bool]]] = {
+    "eq": ("=", operator.eq),
+    "gte": (">=", operator.ge),
+    "lte": ("<=", operator.le),
+}
+"""The offer query's operators: how each is written, and whether an offer's value meets it."""
 _T = TypeVar("_T")
 
 
@@ -105,33 +108,41 @@ class VastAILauncherOptions(CloudOptions):
     label: str = "ups"
 
 
-def _http_error(action: str, error: Exception) -> Exception:
-    """A one-line error for a failed request (never its headers, which hold the key)."""
+def _api(module: str) -> Any:
+    """``vastai.api.MODULE``, the client's API layer (imported when used)."""
+    return importlib.import_module(f"vastai.api.{module}")
+
+
+def _call(action: str, function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``function(*args, **kwargs)``, one call of the client's API (which retries 429 and
+    502-504), a failure as a one-line error (never the request's headers, which hold the key)."""
     import requests
 
-    if isinstance(error, requests.HTTPError):
-        code = error.response.status_code if error.response is not None else 0
+    try:
+        return function(*args, **kwargs)
+    except requests.HTTPError as error:
+        response = error.response
+        code = response.status_code if response is not None else 0
+        after = response.headers.get("Retry-After") if response is not None else None
         if code in (401, 403):
-            return UsageError(
+            raise UsageError(
                 f"vastai: {action}: the server refused the API key (HTTP {code}); "
                 "check the key in the environment variable or file the options name"
-            )
+            ) from None
+        if code == 429 and after is not None and _seconds(after) > MAX_RETRY_AFTER_S:
+            raise VastAIError(
+                f"vastai: {action}: rate limited (HTTP 429); the server asks to wait "
+                f"{after} s (Retry-After), so the client did not retry: try again then"
+            ) from None
         if code == 429:
-            after = (
-                error.response.headers.get("Retry-After") if error.response is not None else None
-            )
-            if after is not None and _seconds(after) > MAX_RETRY_AFTER_S:
-                return VastAIError(
-                    f"vastai: {action}: rate limited (HTTP 429); the server asks to wait "
-                    f"{after} s (Retry-After), so the client did not retry: try again then"
-                )
-            return VastAIError(
+            raise VastAIError(
                 f"vastai: {action}: rate limited (HTTP 429) after retrying with backoff; "
                 "try again later"
-            )
+            ) from None
         found = _GoneError if code == 404 else VastAIError
-        return found(f"vastai: {action}: the server answered HTTP {code}")
-    return VastAIError(f"vastai: {action}: {type(error).__name__}")
+        raise found(f"vastai: {action}: the server answered HTTP {code}") from None
+    except requests.RequestException as error:
+        raise VastAIError(f"vastai: {action}: {type(error).__name__}") from None
 
 
 def _seconds(value: str) -> float:
@@ -141,18 +152,7 @@ def _seconds(value: str) -> float:
         return 0.0  # not a number: the client backs off by itself
 
 
-def _retry(action: str, call: Callable[[], _T]) -> _T:
-    """Run one API call (the client retries 429 and 502-504), turning failures into one-line
-    errors."""
-    import requests
-
-    try:
-        return call()
-    except requests.RequestException as error:
-        raise _http_error(action, error) from None
-
-
-class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]]):
+class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int], list[Row]]):
     """Runs configs on VastAI instances (see the module doc)."""
 
     NAME = "vastai"
@@ -166,17 +166,13 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
         super().__init__(options=options)
         self._vast: Any = None
 
-    # -- the API key and the client -----------------------------------------------------------
-
     def _client(self) -> Any:
         """The ``vastai`` client, with the key (made once).
 
         :raises UsageError: the key cannot be read.
         """
         if self._vast is None:
-            from vastai.api.client import VastClient  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
-            self._vast = VastClient(
+            self._vast = _api("client").VastClient(
                 api_key=self._key.read(),
                 server_url=self.options.url.rstrip("/"),
                 retry=self.options.retries,
@@ -202,18 +198,10 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
         return self.options.num_gpus or request.nproc_per_node
 
     def _search(self, client: Any, query: dict[str, Any], limit: int) -> list[dict[str, Any]]:
-        from vastai.api import offers  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
-        found = _retry(
-            "search offers",
-            lambda: offers.search_offers(
-                client,
-                query=dict(query),
-                order=[["dph_total", "asc"]],
-                limit=limit,
-                storage=self.options.disk_gb,
-            ),
-        )
+        found = _call(
+            "search offers", _api("offers").search_offers, client, query=dict(query),
+            order=[["dph_total", "asc"]], limit=limit, storage=self.options.disk_gb,
+        )  # fmt: skip
         return list(found)
 
     def choose_offers(self, client: Any, request: LaunchRequest) -> list[dict[str, Any]]:
@@ -227,9 +215,7 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
         market = self._search(client, {}, limit=500)
         names = sorted({str(offer.get("gpu_name")) for offer in market})
         wanted = self.options.gpu_name
-        if wanted is not None and wanted.replace("_", " ").lower() not in {
-            n.lower() for n in names
-        }:
+        if wanted is not None and wanted.replace("_", " ").lower() not in map(str.lower, names):
             close = difflib.get_close_matches(wanted.replace("_", " "), names, n=3, cutoff=0.4)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise UsageError(
@@ -263,8 +249,8 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
         """What the script runs at the end: label the instance with the exit status, then stop
         (or destroy) it, with the container's own key in the CLI's environment."""
         o = self.options
-        run_dir = StartupScript(request=_single(machine_request(request))).run_dir
-        exit_file = shlex.quote(f"{run_dir}/{EXIT_FILE}")
+        one = attrs.evolve(machine_request(request), nnodes=1)
+        exit_file = shlex.quote(f"{StartupScript(request=one).run_dir}/{EXIT_FILE}")
         cli = f'VAST_API_KEY="$CONTAINER_API_KEY" VAST_URL={shlex.quote(o.url)} vastai'
         action = "destroy instance -y" if o.shutdown_action == "destroy" else "stop instance"
         return (
@@ -275,11 +261,9 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
 
     def create_payload(self, request: LaunchRequest, script: str) -> dict[str, Any]:
         """The body of the create request, built by the client's own builder."""
-        from vastai.api.instances import build_create_instance_payload  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
         o = self.options
         env = {f"-p {o.rdzv_port}:{o.rdzv_port}": "1"} if request.nnodes > 1 else {}
-        payload: dict[str, Any] = build_create_instance_payload(
+        payload: dict[str, Any] = _api("instances").build_create_instance_payload(
             image=o.image, disk=o.disk_gb, env=env, label=o.label, onstart_cmd=script,
             runtype="ssh_proxy", cancel_unavail=True,
         )  # fmt: skip
@@ -298,22 +282,20 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
             "# offer search: POST /api/v0/bundles/ (cheapest first)",
             json.dumps(query, sort_keys=True),
         ]
-        offers: list[dict[str, Any]] | None = None
+        offers: list[dict[str, Any]] = []
         try:
             client = self._client()
         except UsageError as error:
             lines.append(f"# offers not searched: {error}")
         else:
             offers = self.choose_offers(client, request)
-            for rank, offer in enumerate(offers):
-                lines.append(f"# node {rank}: offer {_describe(offer)}")
+            lines += [f"# node {rank}: offer {_describe(o)}" for rank, o in enumerate(offers)]
             cost = sum(float(offer["dph_total"]) for offer in offers)
             lines.append(f"# estimated cost: ${cost:.4f}/hour for {len(offers)} machine(s)")
         rdzv = ("FIRST_INSTANCE_PUBLIC_IP", 0) if request.nnodes > 1 else None
         for rank in range(request.nnodes):
-            offer_id = offers[rank]["id"] if offers else "OFFER_ID"
             payload = self.create_payload(request, self.script(request, rank, rdzv))
-            script = payload.pop("onstart")
+            script, offer_id = payload.pop("onstart"), offers[rank]["id"] if offers else "OFFER_ID"
             lines += [
                 f"# create node {rank}: PUT /api/v0/asks/{offer_id}/",
                 json.dumps(payload, sort_keys=True),
@@ -329,19 +311,6 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
         _warn_multi_machine(request)
         return "\n".join(lines) + "\n"
 
-    def submit(self, request: LaunchRequest) -> str:
-        """Create the instances and wait until they run; return ``vastai:ID1,ID2,...``.
-
-        Whatever fails after the first instance is created destroys every instance created."""
-        self._check_request(request)
-        offers = self.choose_offers(self._client(), request)
-        _warn_multi_machine(request)  # once the key and the offers are good
-        handle = self._start(
-            request, lambda rank, rdzv: self._create(request, offers[rank], rank, rdzv)
-        )
-        log.info("vastai job submitted", handle=handle)
-        return handle
-
     def status(self, handle: str) -> JobState:
         """``PENDING`` until every instance runs, then ``RUNNING``; at the end, from the label
         the script sets, ``SUCCEEDED`` or ``FAILED``; ``CANCELLED`` once destroyed."""
@@ -351,16 +320,10 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
 
     def logs(self, handle: str) -> str:
         """Every instance's log (its on-start script's output), the first machine first."""
-        from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
-        client = self._client()
-        ids = self._ids(handle)
+        client, ids, instances = self._client(), self._ids(handle), _api("instances")
         parts = []
         for rank, instance_id in enumerate(ids):
-            text = _retry(
-                f"logs of instance {instance_id}",
-                lambda i=instance_id: instances.logs(client, i),  # type: ignore[misc]
-            )
+            text = _call(f"logs of instance {instance_id}", instances.logs, client, instance_id)
             if not isinstance(text, str):
                 text = json.dumps(text)
             parts.append(
@@ -375,22 +338,27 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
         if request.nproc_per_node < 1:
             raise UsageError(f"vastai: nproc_per_node must be >= 1, not {request.nproc_per_node}")
 
+    def _plan(self, request: LaunchRequest) -> list[Row]:
+        """The offers to rent, one per machine."""
+        self._check_request(request)
+        offers = self.choose_offers(self._client(), request)
+        _warn_multi_machine(request)  # once the key and the offers are good
+        return offers
+
     def _parse_id(self, text: str) -> int:
         return int(text)
 
     def _create(
-        self,
-        request: LaunchRequest,
-        offer: Mapping[str, Any],
-        rank: int,
-        rdzv: tuple[str, int] | None,
+        self, request: LaunchRequest, offers: list[Row], rank: int, rdzv: tuple[str, int] | None
     ) -> int:
-        from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
+        offer, create = offers[rank], _api("instances").create_instance_from_payload
         payload = self.create_payload(request, self.script(request, rank, rdzv))
-        answer = _retry(
+        answer = _call(
             f"create an instance from offer {offer['id']}",
-            lambda: instances.create_instance_from_payload(self._client(), offer["id"], payload),
+            create,
+            self._client(),
+            offer["id"],
+            payload,
         )
         instance_id = answer.get("new_contract") if isinstance(answer, dict) else None
         if not isinstance(instance_id, int):
@@ -399,13 +367,9 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
         return instance_id
 
     def _show(self, instance_id: int) -> Row | None:
-        from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
+        show = _api("instances").show_instance
         try:
-            row: Row | None = _retry(
-                f"show instance {instance_id}",
-                lambda: instances.show_instance(self._client(), instance_id),
-            )
+            row: Row = _call(f"show instance {instance_id}", show, self._client(), instance_id)
         except _GoneError:
             return None
         return row
@@ -435,13 +399,9 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
         return str(host).strip(), int(mapped)
 
     def _delete(self, instance_id: int) -> None:
-        from vastai.api import instances  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
+        destroy = _api("instances").destroy_instance
         with contextlib.suppress(_GoneError):  # gone already
-            _retry(
-                f"destroy instance {instance_id}",
-                lambda: instances.destroy_instance(self._client(), instance_id),
-            )
+            _call(f"destroy instance {instance_id}", destroy, self._client(), instance_id)
 
     def _rolled_back(
         self, error: BaseException, created: Sequence[int], left: Mapping[int, str]
@@ -457,8 +417,7 @@ class VastAILauncher(CloudLauncher[VastAILauncherOptions, int, tuple[str, int]])
             return JobState.CANCELLED
         label = str(row.get("label") or "")
         if label.startswith(EXIT_LABEL):
-            code = label[len(EXIT_LABEL) :].strip()
-            return JobState.SUCCEEDED if code == "0" else JobState.FAILED
+            return exit_state(label.removeprefix(EXIT_LABEL))
         actual = row.get("actual_status")
         if actual == "running":
             return JobState.RUNNING
@@ -472,43 +431,30 @@ def _warn_multi_machine(request: LaunchRequest) -> None:
         log.warning(MULTI_MACHINE_WARNING, nnodes=request.nnodes)
 
 
-def _single(request: LaunchRequest) -> LaunchRequest:
-    return attrs.evolve(request, nnodes=1)
-
-
 def _ids(ids: Iterable[int]) -> str:
     return ", ".join(str(i) for i in ids)
 
 
 def _query_text(query: Mapping[str, Any]) -> str:
-    ops = {"eq": "=", "gte": ">=", "lte": "<=", "gt": ">", "lt": "<", "neq": "!="}
     return " ".join(
-        f"{field}{ops.get(op, op)}{value}"
+        f"{field}{_OPS[op][0]}{value}"
         for field, cond in query.items()
         for op, value in cond.items()
     )
 
 
 def _misses(offer: Mapping[str, Any], query: Mapping[str, Any]) -> int:
-    """How many of ``query``'s conditions ``offer`` fails."""
+    """How many of ``query``'s conditions ``offer`` fails (names compared case aside)."""
     misses = 0
     for field, cond in query.items():
-        value = offer.get(field)
         for op, wanted in cond.items():
+            value = offer.get(field)
+            if isinstance(wanted, str):
+                value, wanted = str(value).lower(), wanted.lower()
             try:
-                if op == "eq" and isinstance(wanted, str):
-                    ok = str(value).lower() == wanted.lower()
-                elif op == "eq":
-                    ok = value == wanted
-                elif op == "gte":
-                    ok = value >= wanted
-                elif op == "lte":
-                    ok = value <= wanted
-                else:
-                    ok = False
+                misses += not _OPS[op][1](value, wanted)
             except TypeError:
-                ok = False
-            misses += not ok
+                misses += 1
     return misses
 
 

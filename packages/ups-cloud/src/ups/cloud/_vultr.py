@@ -1,35 +1,24 @@
 """The ``vultr`` launcher: Vultr cloud GPU instances over the v2 REST API, one per machine.
 
 ``submit`` checks the plan and region (``GET /plans``, ``GET /regions``), then creates the
-instances (``POST /instances``) as every cloud launcher does (:mod:`ups.cloud._cloud`: the first
-alone, all deleted if any step fails; the handle ``vultr:ID1,ID2,...``), each with its start-up
-script (:mod:`ups.cloud.startup`) as its user data (base64; cloud-init runs it once at first
-boot), and waits until each is ``active``. With several machines every instance joins a VPC
-(``vpc_id``, or ``enable_vpc``: the region's default one), and the first one's private address
-(``internal_ip``) is the others' rendezvous host; each machine's script finds its own address
-and NIC on the VPC (see :attr:`ups.cloud.startup.StartupScript.network_interface`).
+instances (``POST /instances``; :mod:`ups.cloud._cloud`), each with its start-up script as its
+user data (base64; cloud-init runs it once at first boot), and waits until each is ``active``.
+With several machines every instance joins a VPC (``vpc_id``, or ``enable_vpc``: the region's
+default one), and the first one's private address (``internal_ip``) is the others' rendezvous
+host. Requests go through :class:`ups.cloud._rest.RestApi` (the key only as a Bearer header).
 
-Vultr has no API for an instance's console output, so:
+Vultr has no API for an instance's console output, so ``logs`` reads ``startup.log`` from
+``upload_url`` once uploaded (:mod:`ups.cloud._uploads`), and until then says where it is on the
+machines (``/root/ups/runs/startup.log``, over ssh).
 
-* ``logs`` reads ``startup.log`` from ``upload_url`` (with fsspec), where the script uploads
-  the run folder when training ends; before that (or without ``upload_url``) it says where the
-  log is on the machines (``/root/ups/runs/startup.log``, over ssh).
-* ``status`` is ``PENDING`` until every instance is active and booted, ``RUNNING`` while any
-  runs, and once every machine has stopped (the script's auto-shutdown) and uploaded its run
-  folder, ``SUCCEEDED`` or ``FAILED`` from the exit status the first one uploaded
-  (``startup.exit``), the machines deleted; ``STOPPED`` when they stopped but a machine's
-  upload cannot be read (no ``upload_url``, or it failed) or a delete failed: the machines are
-  kept, and billed, until ``cancel``. ``CANCELLED`` when the instances are gone.
-
-A stopped Vultr instance is billed as a running one is, and only a delete ends the bill. The
-machines cannot delete themselves (that needs the account's API key, which never goes to a
-machine), so ``status`` deletes them once every machine has uploaded its run folder (the exit
-status, uploaded last, says so). Without ``upload_url`` the results live only on the machines'
-disks, so they are kept, and billed, until ``cancel``; ``submit`` and the dry run say so.
-
-The API key is sent only as the ``Authorization: Bearer`` header. Requests that fail with 429
-are retried after ``Retry-After``, and reads and deletes that fail with 5xx with exponential
-backoff (urllib3's ``Retry``); a create is not retried after a 5xx, which may have created it.
+``status`` is ``PENDING`` until every instance is active and booted, ``RUNNING`` while any runs.
+A stopped Vultr instance bills as a running one does, and only a delete ends the bill, which
+the machines cannot do (that needs the account's key, which never goes to a machine). So once
+every machine has stopped (the script's auto-shutdown) and uploaded its run folder, ``status``
+deletes them and is ``SUCCEEDED`` or ``FAILED`` from the exit status the first one uploaded;
+``STOPPED`` when they stopped but a machine's upload cannot be read (no ``upload_url``, or it
+failed) or a delete failed: the machines are kept, and billed, until ``cancel`` (``submit`` and
+the dry run say so). ``CANCELLED`` when the instances are gone.
 """
 
 from __future__ import annotations
@@ -41,15 +30,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
-import requests  # type: ignore[import-untyped, unused-ignore]
 import structlog
-from requests.adapters import HTTPAdapter  # type: ignore[import-untyped, unused-ignore]
-from urllib3.util.retry import Retry
 
-from ups.core import JobState, LaunchRequest, UsageError, load_config
+from ups.core import JobState, LaunchRequest, UsageError, at_least, load_config
 
-from ._cloud import CloudLauncher, Row
+from ._cloud import CloudLauncher, Row, exit_state
 from ._options import CloudOptions, check_readable_here, seconds
+from ._rest import RestApi
+from ._uploads import READS_UPLOAD, read_upload, uploaded
 from .startup import EXIT_FILE, LOG_FILE
 
 log = structlog.get_logger()
@@ -61,16 +49,10 @@ HOURS_PER_MONTH = 672
 """Vultr bills by the hour up to the monthly price, which is reached after 672 hours."""
 FIRST_MACHINE_RDZV_HOST = "127.0.0.1"
 """The rendezvous endpoint's host on the first machine of several (the others: its internal_ip)."""
-_REDACTED = "<redacted>"
-_RETRY_STATUSES = (429, 500, 502, 503, 504)
 
 
 class VultrError(RuntimeError):
     """A request to the Vultr API failed; the message is one line."""
-
-
-READS_UPLOAD = "reading it here (ups status, ups logs)"
-"""Why this process needs to read ``upload_url``, for the message when it cannot."""
 
 
 @attrs.frozen(kw_only=True)
@@ -93,9 +75,9 @@ class VultrLauncherOptions(CloudOptions):
     base_url: str | None = None
     """The former name of ``url``, still read."""
     request_timeout_s: float = seconds(30.0)
-    retries: int = 5
+    retries: int = attrs.field(default=5, validator=at_least(0))
     """How often a request that fails with 429 or (not a create) 5xx is tried again."""
-    backoff_s: float = 1.0
+    backoff_s: float = attrs.field(default=1.0, validator=at_least(0))
     """urllib3's backoff factor for 5xx retries: 0, 2x, 4x, ... seconds (429 waits ``Retry-After``)."""
     python: str = "python3"
     """The Python on the machine that installs, trains and uploads."""
@@ -114,27 +96,7 @@ class VultrLauncherOptions(CloudOptions):
             object.__setattr__(self, "base_url", None)
 
 
-@attrs.frozen
-class _Call:
-    """A request as the dry-run shows it."""
-
-    method: str
-    path: str
-    body: Mapping[str, Any] | None = None
-    note: str = ""
-
-
-class _Retry(Retry):
-    """urllib3's ``Retry``, but a create (POST) is only tried again after 429, which Vultr
-    answers before doing anything; a 5xx may come after the instance was made."""
-
-    def is_retry(self, method: str, status_code: int, has_retry_after: bool = False) -> bool:
-        if method.upper() == "POST":
-            return status_code == 429 and bool(self.total)
-        return super().is_retry(method, status_code, has_retry_after)
-
-
-class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
+class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str, str]):
     """Runs configs on Vultr instances (see the module doc)."""
 
     NAME = "vultr"
@@ -143,7 +105,11 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
     def __init__(self, *, options: VultrLauncherOptions) -> None:
         super().__init__(options=options)
         self.base_url = options.url.rstrip("/")
-        self._session: requests.Session | None = None
+        o = options
+        self._api = RestApi(
+            "Vultr API", self.base_url, self._key, VultrError,
+            o.request_timeout_s, o.retries, o.backoff_s,
+        )  # fmt: skip
 
     # -- the Launcher protocol ----------------------------------------------------------------
 
@@ -153,52 +119,32 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
         name = self._run_name(request)
         check_readable_here(self.options.upload_url, READS_UPLOAD)
         plan = self._check_plan_region()
-        o = self.options
-        calls = [_Call("GET", "/plans"), _Call("GET", "/regions")]
-        for rank in range(request.nnodes):
-            host = "<internal_ip of machine 0>" if request.nnodes > 1 else None  # not known yet
-            body = self._create_body(request, name, rank, host)
-            note = ""
-            if rank == 0 and request.nnodes > 1:
-                note = "then GET /instances/ID until it is active and has its internal_ip"
-            calls.append(_Call("POST", "/instances", body, note))
-        calls.append(_Call("GET", "/instances/ID", note="each, until active"))
+        o, url = self.options, self.base_url
         lines = [
             f"# vultr: {request.nnodes} x {o.plan} in {o.region} for run {name!r}",
-            f"# base URL {self.base_url}; header Authorization: Bearer {_REDACTED} (from {self._key.source})",
+            f"# base URL {url}; header Authorization: Bearer <redacted> (from {self._key.source})",
+            *self._cost_lines(plan, request.nnodes),
+            *("", f"GET {url}/plans", "", f"GET {url}/regions"),
         ]
-        lines += self._cost_lines(plan, request.nnodes)
-        for call in calls:
-            lines.append("")
-            lines.append(f"{call.method} {self.base_url}{call.path}")
-            if call.note:
-                lines.append(f"# {call.note}")
-            if call.body is not None:
-                body = dict(call.body)
-                script = base64.b64decode(body["user_data"]).decode()
-                body["user_data"] = f"<base64 of the start-up script below, {len(script)} bytes>"
-                lines.append(json.dumps(body, indent=2))
-                lines.append("# user_data, decoded:")
-                lines.append(script.rstrip("\n"))
+        host = "<internal_ip of machine 0>" if request.nnodes > 1 else None  # not known yet
+        for rank in range(request.nnodes):
+            body = self._create_body(request, name, rank, host)
+            script = base64.b64decode(body["user_data"]).decode()
+            body["user_data"] = f"<base64 of the start-up script below, {len(script)} bytes>"
+            lines += ["", f"POST {url}/instances"]
+            if rank == 0 and request.nnodes > 1:
+                lines.append("# then GET /instances/ID until it is active and has its internal_ip")
+            lines += [json.dumps(body, indent=2), "# user_data, decoded:", script.rstrip("\n")]
+        lines += ["", f"GET {url}/instances/ID", "# each, until active"]
         text = "\n".join(lines) + "\n"
         self._key.refuse_in(text, "the dry-run text")
         return text
 
     def submit(self, request: LaunchRequest) -> str:
-        """Create the instances and wait until they are active; return ``vultr:ID1,...``.
-
-        :raises UsageError: a bad request, config, plan or region, a missing or refused key.
-        :raises VultrError: the API failed, or an instance was not ready in time; every
-            instance created has then been deleted (or the message names those left).
-        """
-        name = self._run_name(request)
-        # A missing key, or a missing package to read upload_url with, fails before anything
-        # is created.
-        check_readable_here(self.options.upload_url, READS_UPLOAD)
-        self._key.read()
-        self._check_plan_region()
-        handle = self._start(request, lambda rank, host: self._create(request, name, rank, host))
-        log.info("vultr job submitted", run=name, handle=handle, billing=self._billing_note())
+        """Create the instances and wait until they are active; return ``vultr:ID1,...`` (see
+        :meth:`ups.cloud._cloud.CloudLauncher.submit`); say how they bill."""
+        handle = super().submit(request)
+        log.info("vultr instances bill until deleted", handle=handle, billing=self._billing_note())
         return handle
 
     def status(self, handle: str) -> JobState:
@@ -206,7 +152,7 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
         ids = self._ids(handle)
         instances = [self._show(i) for i in ids]
         if all(i is None for i in instances):
-            return _ended(self._read_upload(EXIT_FILE), otherwise=JobState.CANCELLED)
+            return self._ended(otherwise=JobState.CANCELLED)
         if any(i is None for i in instances):
             return JobState.FAILED  # some machines deleted under a running job
         if any(i["status"] != "active" for i in instances if i is not None):
@@ -216,7 +162,7 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
             if any(i.get("server_status") != "ok" for i in instances if i is not None):
                 return JobState.PENDING
             return JobState.RUNNING
-        if not self._uploaded(len(ids)):
+        if not uploaded(self.options.upload_url, len(ids)):
             # Some results are only on the machines' disks: they are kept, and billed.
             log.warning(
                 "stopped Vultr instances are still billed; cancel the job to delete them once "
@@ -229,16 +175,20 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
         if self._delete_all(ids):
             return JobState.STOPPED
         log.info("the job ended; its machines were deleted", handle=handle)
-        return _ended(self._read_upload(EXIT_FILE), otherwise=JobState.STOPPED)
+        return self._ended(otherwise=JobState.STOPPED)
+
+    def _ended(self, *, otherwise: JobState) -> JobState:
+        """The state of the ended job from the exit status the first machine uploaded."""
+        status = read_upload(self.options.upload_url, EXIT_FILE)
+        return otherwise if status is None else exit_state(status)
 
     def logs(self, handle: str) -> str:
         """The first machine's ``startup.log`` from ``upload_url`` once uploaded; until then,
         where the logs are (Vultr keeps no console output)."""
         ids = self._ids(handle)
-        text = self._read_upload(LOG_FILE)
+        text = read_upload(self.options.upload_url, LOG_FILE)
         if text is not None:
             return text
-        where = f"/root/ups/runs/{LOG_FILE}"
         hosts = []
         for instance_id in ids:
             instance = self._show(instance_id)
@@ -249,98 +199,23 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
             else "set upload_url to have it uploaded when the job ends"
         )
         return (
-            f"Vultr keeps no console output: the log is {where} on each machine "
-            f"(ssh root@IP): {', '.join(hosts)}; {upload}.\n"
+            f"Vultr keeps no console output: the log is /root/ups/runs/{LOG_FILE} on each "
+            f"machine (ssh root@IP): {', '.join(hosts)}; {upload}.\n"
         )
 
-    # -- requests -----------------------------------------------------------------------------
+    # -- the API ------------------------------------------------------------------------------
 
-    def _http(self) -> requests.Session:
-        if self._session is None:
-            o = self.options
-            retry = _Retry(
-                total=o.retries,
-                connect=o.retries,
-                read=o.retries,
-                status=o.retries,
-                backoff_factor=o.backoff_s,
-                status_forcelist=_RETRY_STATUSES,
-                respect_retry_after_header=True,
-                raise_on_status=False,
-            )
-            session = requests.Session()
-            adapter = HTTPAdapter(max_retries=retry)
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
-            self._session = session
-        return self._session
-
-    def _call(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: Mapping[str, Any] | None = None,
-        params: Mapping[str, Any] | None = None,
-        auth: bool = True,
-        ok_missing: bool = False,
-    ) -> dict[str, Any] | None:
-        headers = {"Accept": "application/json"}
-        if auth:
-            headers["Authorization"] = f"Bearer {self._key.read()}"
-        what = f"{method} {path}"
-        try:
-            response = self._http().request(
-                method,
-                self.base_url + path,
-                json=body,
-                params=params,
-                headers=headers,
-                timeout=self.options.request_timeout_s,
-            )
-        except requests.RequestException as error:
-            raise VultrError(f"Vultr API {what}: {type(error).__name__}: {error}") from None
-        if ok_missing and response.status_code == 404:
-            return None
-        if response.status_code in (401, 403):
-            raise UsageError(
-                f"Vultr API {what}: {response.status_code} {response.reason}: the API key from "
-                f"{self._key.source} was refused (is it valid, and is this machine's IP allowed?)"
-            )
-        if response.status_code >= 400:
-            raise VultrError(
-                f"Vultr API {what}: {response.status_code} {response.reason}"
-                + (
-                    f" after {self.options.retries} retries"
-                    if response.status_code in _RETRY_STATUSES
-                    else ""
-                )
-                + f": {_error_text(response)}"
-            )
-        if response.status_code == 204 or not response.content:
-            return {}
-        try:
-            data = response.json()
-        except ValueError:
-            raise VultrError(f"Vultr API {what}: the answer is not JSON") from None
-        if not isinstance(data, dict):
-            raise VultrError(f"Vultr API {what}: unexpected answer {str(data)[:200]!r}")
-        return data
-
-    def _list(self, path: str, key: str, params: Mapping[str, Any] | None = None) -> list[Any]:
+    def _list(self, path: str, key: str) -> list[Any]:
         """Every item of a paginated list (``meta.links.next`` is the next cursor)."""
         items: list[Any] = []
-        query = {**(params or {}), "per_page": 500}
+        query: dict[str, Any] = {"per_page": 500}
         for _ in range(100):
-            data = self._call("GET", path, params=query, auth=False) or {}
+            data = self._api.call("GET", path, params=query, auth=False) or {}
             items += data.get(key) or []
-            cursor = ((data.get("meta") or {}).get("links") or {}).get("next") or ""
-            if not cursor:
-                return items
-            query["cursor"] = cursor
+            query["cursor"] = ((data.get("meta") or {}).get("links") or {}).get("next") or ""
+            if not query["cursor"]:
+                break
         return items
-
-    # -- the instances ------------------------------------------------------------------------
 
     def _parse_id(self, text: str) -> str:
         if not (text and text.replace("-", "").isalnum()):
@@ -348,7 +223,7 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
         return text
 
     def _show(self, instance_id: str) -> Row | None:
-        data = self._call("GET", f"/instances/{instance_id}", ok_missing=True)
+        data = self._api.call("GET", f"/instances/{instance_id}", ok_missing=True)
         if data is None:
             return None
         instance = data.get("instance")
@@ -356,7 +231,14 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
             raise VultrError(f"Vultr API GET /instances/{instance_id}: no instance in the answer")
         return instance
 
-    # -- submit's steps -----------------------------------------------------------------------
+    def _plan(self, request: LaunchRequest) -> str:
+        """The run's name, once the request, plan, region and key are good and ``upload_url``
+        can be read here."""
+        name = self._run_name(request)
+        check_readable_here(self.options.upload_url, READS_UPLOAD)
+        self._key.read()
+        self._check_plan_region()
+        return name
 
     def _run_name(self, request: LaunchRequest) -> str:
         self._check_request(request)
@@ -389,15 +271,12 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
         return dict(plan)
 
     def _cost_lines(self, plan: Mapping[str, Any], nnodes: int) -> list[str]:
-        hourly = plan.get("hourly_cost")
-        monthly = plan.get("monthly_cost")
+        hourly, monthly = plan.get("hourly_cost"), plan.get("monthly_cost")
         if isinstance(hourly, (int, float)) and hourly > 0:
             each, how = float(hourly), "hourly_cost"
         elif isinstance(monthly, (int, float)) and monthly > 0:
-            each, how = (
-                float(monthly) / HOURS_PER_MONTH,
-                f"monthly_cost {monthly} / {HOURS_PER_MONTH} h",
-            )
+            each = float(monthly) / HOURS_PER_MONTH
+            how = f"monthly_cost {monthly} / {HOURS_PER_MONTH} h"
         else:
             return ["# cost: no price in GET /plans"]
         return [
@@ -411,12 +290,14 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
             return "without upload_url they are kept for their results until `ups cancel`"
         return "`ups status` deletes them once they have stopped and uploaded their results"
 
-    def _script_of(self, request: LaunchRequest, name: str, rank: int, host: str | None) -> str:
+    def _create_body(
+        self, request: LaunchRequest, name: str, rank: int, host: str | None
+    ) -> dict[str, Any]:
         o = self.options
         # The first machine serves the rendezvous itself: torch takes a loopback endpoint for
         # its own, and the store listens on every interface (the VPC's included); the script
         # finds each machine's VPC address for the process group.
-        return self._script(
+        script = self._script(
             request,
             rank,
             FIRST_MACHINE_RDZV_HOST if rank == 0 else host,
@@ -424,36 +305,28 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
             nproc_per_node=o.nproc_per_node,
             rdzv_id=f"{o.label_prefix}-{name}",
         )
-
-    def _create_body(
-        self, request: LaunchRequest, name: str, rank: int, host: str | None
-    ) -> dict[str, Any]:
-        o = self.options
         body: dict[str, Any] = {
             "region": o.region,
             "plan": o.plan,
             "label": f"{o.label_prefix}-{name}-{rank}",
             "tags": [o.label_prefix],
-            "user_data": base64.b64encode(
-                self._script_of(request, name, rank, host).encode()
-            ).decode(),
+            "user_data": base64.b64encode(script.encode()).decode(),
             "activation_email": False,
         }
         if o.image_id is not None:
             body["image_id"] = o.image_id
         else:
             body["os_id"] = o.os_id if o.os_id is not None else DEFAULT_OS_ID
-        if request.nnodes > 1:
-            if o.vpc_id is not None:
-                body["attach_vpc"] = [o.vpc_id]
-            else:
-                body["enable_vpc"] = True
+        if request.nnodes > 1 and o.vpc_id is not None:
+            body["attach_vpc"] = [o.vpc_id]
+        elif request.nnodes > 1:
+            body["enable_vpc"] = True
         return body
 
     def _create(self, request: LaunchRequest, name: str, rank: int, host: str | None) -> str:
         body = self._create_body(request, name, rank, host)
         try:
-            data = self._call("POST", "/instances", body=body) or {}
+            data = self._api.call("POST", "/instances", body=body) or {}
         except (VultrError, UsageError) as error:
             raise type(error)(
                 f"creating machine {rank + 1} of {request.nnodes} failed: {error}"
@@ -480,7 +353,7 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
         return str(row["internal_ip"])
 
     def _delete(self, instance_id: str) -> None:
-        self._call("DELETE", f"/instances/{instance_id}", ok_missing=True)
+        self._api.call("DELETE", f"/instances/{instance_id}", ok_missing=True)
 
     def _rolled_back(
         self, error: BaseException, created: Sequence[str], left: Mapping[str, str]
@@ -494,36 +367,6 @@ class VultrLauncher(CloudLauncher[VultrLauncherOptions, str, str]):
             message += "; ".join(f"{i} ({why})" for i, why in left.items())
         return message
 
-    # -- the upload ---------------------------------------------------------------------------
-
-    def _uploaded(self, nnodes: int) -> bool:
-        """Whether every machine's run folder is uploaded: its exit status, which the upload
-        writes last, is at ``upload_url`` (``nodes/R/`` for machine R > 0)."""
-        return all(
-            self._read_upload(EXIT_FILE if rank == 0 else f"nodes/{rank}/{EXIT_FILE}") is not None
-            for rank in range(nnodes)
-        )
-
-    def _read_upload(self, name: str) -> str | None:
-        url = self.options.upload_url
-        if url is None:
-            return None
-        check_readable_here(url, READS_UPLOAD)
-        import fsspec  # type: ignore[import-untyped, unused-ignore]
-
-        try:
-            with fsspec.open(f"{url.rstrip('/')}/{name}", "r") as file:
-                return str(file.read())
-        except FileNotFoundError:
-            return None
-
-
-def _ended(exit_status: str | None, *, otherwise: JobState) -> JobState:
-    """The state of an ended job from the exit status it uploaded (``otherwise`` without one)."""
-    if exit_status is None:
-        return otherwise
-    return JobState.SUCCEEDED if exit_status.strip() == "0" else JobState.FAILED
-
 
 def _is_gpu(plan_id: str, plan: Mapping[str, Any]) -> bool:
     return plan_id.startswith("vcg") or plan.get("type") == "vcg" or bool(plan.get("gpu_type"))
@@ -534,13 +377,3 @@ def _nearest(name: str, known: Sequence[str]) -> str:
     if near:
         return "nearest: " + ", ".join(near)
     return "known: " + (", ".join(known[:12]) or "none") + (" ..." if len(known) > 12 else "")
-
-
-def _error_text(response: requests.Response) -> str:
-    try:
-        data = response.json()
-        if isinstance(data, dict) and data.get("error"):
-            return str(data["error"]).replace("\n", " ")[:300]
-    except ValueError:
-        pass
-    return response.text.replace("\n", " ")[:300] or "(no details)"
