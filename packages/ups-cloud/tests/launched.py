@@ -1,12 +1,11 @@
-"""What the launchers' tests share: the tiny project to launch, a launcher that remembers what it
-submitted (so a test's teardown cancels any job left running), the JSON events of a job's log,
-and waiting for a condition."""
+"""What the launchers' tests share: the tiny project to launch, and a launcher that remembers
+what it submitted (so a test's teardown cancels any job left running). The JSON events of a
+job's log and waiting for a condition are :func:`ups.core.testing.events` and
+:func:`~ups.core.testing.wait_for`."""
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,24 +41,3 @@ def cancelling(launcher: Any) -> Iterator[Any]:
     finally:
         for handle in launcher.handles:
             launcher.cancel(handle)
-
-
-def events(text: str) -> list[dict[str, object]]:
-    """The JSON log events in ``text``."""
-    found = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                found.append(json.loads(line))
-            except ValueError:
-                continue
-    return found
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what} did not happen within {timeout_s}s")

@@ -16,10 +16,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
+
+from ups.core.testing import wait_for
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
@@ -125,8 +127,8 @@ def start(folder: Path) -> Cluster:
     """Start munged, slurmctld and slurmd configured in ``folder``; return once ``sinfo``
     shows the node idle.
 
-    :raises RuntimeError: a daemon that exits, or a node not idle within 30 s (the daemons'
-        logs attached); whatever was started is stopped first.
+    :raises RuntimeError: a daemon that exits; AssertionError: a node not idle within 30 s
+        (the daemons' logs attached); whatever was started is stopped first.
     """
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)  # munged refuses a world-writable socket folder
@@ -173,14 +175,14 @@ def _node_state(env: dict[str, str]) -> str:
     return result.stdout.strip()
 
 
-def _wait(cluster: Cluster, condition: object, what: str) -> None:
-    assert callable(condition)
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
+def _wait(cluster: Cluster, condition: Callable[[], object], what: str) -> None:
+    """Return once ``condition()`` is true; fail, with the daemons' logs, as soon as one of
+    them exits, or after ``_START_TIMEOUT_S``."""
+
+    def met() -> object:
         dead = [p.args for p in cluster.procs if p.poll() is not None]
         if dead:
             raise RuntimeError(f"test SLURM: {dead} exited\n{cluster.daemon_log()}")
-        if condition():
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"test SLURM: no {what} within {_START_TIMEOUT_S}s\n{cluster.daemon_log()}")
+        return condition()
+
+    wait_for(met, _START_TIMEOUT_S, f"test SLURM: {what}", details=cluster.daemon_log)

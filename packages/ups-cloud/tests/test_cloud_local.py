@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -13,11 +14,12 @@ from pathlib import Path
 
 import attrs
 import pytest
-from launched import Tidy, cancelling, events, tiny, wait_for
+from launched import Tidy, cancelling, tiny
 
 import ups.cloud
 from ups.cloud import LocalLauncher, LocalLauncherOptions
 from ups.core import ConfigError, LauncherPlugin, LaunchRequest, UsageError, load_plugins
+from ups.core.testing import events, wait_for
 
 
 @pytest.fixture
@@ -48,6 +50,13 @@ def gone(pid: int) -> bool:
     except OSError:
         return True
     return stat[stat.rindex(")") + 2] in "ZX"
+
+
+def ignores_sigterm(pid: int) -> bool:
+    """Whether ``pid`` ignores SIGTERM (the ``SigIgn`` mask of its ``/proc`` status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
 
 
 def group_members(pgid: int) -> list[int]:
@@ -189,7 +198,7 @@ def test_a_submitted_run_trains_to_success(project: Path, launcher: LocalLaunche
     wait_for(lambda: launcher.status(handle) != "RUNNING", 120, "the run's end")
     text = launcher.logs(handle)
     assert launcher.status(handle) == "SUCCEEDED", text
-    done = [e for e in events(text) if e.get("event") == "done"]
+    done = events(text, "done")
     assert done == [done[0]] and done[0]["steps"] == 3, text
     assert (project / "runs" / "tiny" / "checkpoints" / "step-3" / "COMMIT").is_file()
     wait_for(lambda: gone(record["pid"]), 10, "the runner's exit")
@@ -210,9 +219,9 @@ def test_two_local_nodes_train_as_one_job_and_a_failing_node_fails_it(
     wait_for(lambda: launcher.status(handle) != "RUNNING", 120, "the run's end")
     text = launcher.logs(handle)
     assert launcher.status(handle) == "SUCCEEDED", text
-    started = [e for e in events(text) if e.get("event") == "training"]
+    started = events(text, "training")
     assert len(started) == 1 and started[0]["world_size"] == 2, text  # one run, rank 0 logs
-    done = [e for e in events(text) if e.get("event") == "done"]
+    done = events(text, "done")
     assert len(done) == 1 and done[0]["steps"] == 3, text
 
     # A rank of the second node fails at step 2 (an injected fault): so does the job, and the
@@ -243,10 +252,10 @@ def test_cancel_stops_the_whole_job(project: Path, launcher: LocalLauncher) -> N
     )
     handle = launcher.submit(request)
     wait_for(lambda: len(list(pids.iterdir())) == 2, 120, "both ranks starting")
-    time.sleep(1)
+    ranks = [int(p.name) for p in pids.iterdir()]
+    wait_for(lambda: all(map(ignores_sigterm, ranks)), 30, "both ranks ignoring SIGTERM")
     assert launcher.status(handle) == "RUNNING"
     leader = json.loads((Path(handle) / "job.json").read_text())["pid"]
-    ranks = [int(p.name) for p in pids.iterdir()]
     assert not any(gone(pid) for pid in [leader, *ranks])
     assert len(group_members(leader)) >= 2  # the runner and torch's agent
     with pytest.raises(UsageError, match="'tiny' is still running"):

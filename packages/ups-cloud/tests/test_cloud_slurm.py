@@ -19,12 +19,12 @@ import pytest
 import slurm_cluster  # tests/slurm_cluster.py, beside this file
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from launched import Tidy, cancelling, events, tiny, wait_for
+from launched import Tidy, cancelling, tiny
 
 from ups.cloud import SlurmLauncher, SlurmOptions
 from ups.cloud._slurm import TIME_FORMATS
 from ups.core import LaunchRequest, UsageError
-from ups.core.testing import run_ups
+from ups.core.testing import events, run_ups, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def test_a_two_process_gloo_job_trains_to_success(project: Path, launcher: TidyS
     assert launcher.status(job_id) == "SUCCEEDED"  # a bare job id works too
     assert launcher.logs(job_id) == text
     assert f"ups: job {job_id} on localhost, rendezvous at localhost:" in text
-    done = [e for e in events(text) if e.get("event") == "done"]
+    done = events(text, "done")
     assert len(done) == 1 and done[0]["steps"] == 3, text
     assert (project / "runs" / "tiny" / "checkpoints" / "step-3" / "COMMIT").is_file(), text
     launcher.cancel(handle)  # an ended job is left as it is
@@ -306,7 +306,7 @@ def test_a_preemption_notice_saves_a_checkpoint_and_requeues(
         wait_for(lambda: "requeueing job" in launcher.logs(handle), 180, "the requeue")
         text = launcher.logs(handle)
         assert "ups: pre-emption notice (SIGUSR1): the ranks save and stop" in text
-        saved = [e for e in events(text) if e.get("event") == "checkpoint saved"]
+        saved = events(text, "checkpoint saved")
         assert len(saved) == 1 and (Path(str(saved[0]["location"])) / "COMMIT").is_file(), text
         # The requeued job (same id, same output file) resumes from that checkpoint once SLURM
         # lets it start again: after the test cluster's cred_expire (10 s), while the killed
@@ -320,7 +320,7 @@ def test_a_preemption_notice_saves_a_checkpoint_and_requeues(
             raise AssertionError(
                 f"{error}\n{job.stdout.decode()}\n{slurm_env.daemon_log()}"
             ) from None
-        resumed = [e for e in events(launcher.logs(handle)) if e.get("event") == "resumed"]
+        resumed = events(launcher.logs(handle), "resumed")
         assert resumed[0]["step"] == saved[0]["step"]
         assert launcher.status(handle) == "RUNNING"
         launcher.cancel(handle)
@@ -347,7 +347,7 @@ def test_without_requeue_a_preemption_notice_saves_and_fails_the_job(
     text = launcher.logs(handle)
     assert launcher.status(handle) == "FAILED", text
     assert "ups: stopped by the pre-emption notice" in text
-    saved = [e for e in events(text) if e.get("event") == "checkpoint saved"]
+    saved = events(text, "checkpoint saved")
     assert len(saved) == 1 and (Path(str(saved[0]["location"])) / "COMMIT").is_file(), text
     assert not processes_mentioning(str(project / "run.yaml"))
 
