@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ups.cloud.startup import NETWORK_SCRIPT, Env, StartupScript, network_functions
+from ups.cloud._startup import NETWORK_SCRIPT, Env, StartupScript, network_functions
 from ups.core import LaunchRequest
 
 NETWORK_SH = resources.files("ups.cloud").joinpath(NETWORK_SCRIPT)

@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from ups.cloud._vultr import FIRST_MACHINE_RDZV_HOST
-from ups.cloud.startup import (
+from ups.cloud._startup import (
     EXIT_FILE,
     LOG_FILE,
     Env,
@@ -32,6 +31,7 @@ from ups.cloud.startup import (
     node_upload_url,
     upload,
 )
+from ups.cloud._vultr import FIRST_MACHINE_RDZV_HOST
 from ups.core import LaunchRequest, UsageError
 from ups.core.testing import free_port, tiny_project, two_machines
 
@@ -147,7 +147,7 @@ def test_one_machine_runs_standalone_torchrun() -> None:
         'python3 -m torch.distributed.run --nproc-per-node "$NPROC" --standalone '
         "-m ups.core train c.yaml -o a=1 -o run.output_dir=/root/ups/runs" in script
     )
-    assert "shutdown" not in script and "ups.cloud.startup upload" not in script
+    assert "shutdown" not in script and "ups.cloud._startup upload" not in script
     assert "ups_network" not in script and "--local-addr" not in script  # one machine: no search
 
 
@@ -252,7 +252,7 @@ def test_a_script_runs_its_steps_in_order(tmp_path: Path, bin_dir: Path) -> None
         "-m", "ups.core", "train", "conf/run.yaml",
         "-o", f"run.name={HOSTILE}", "-o", f"run.output_dir={work}/runs",
     ]  # fmt: skip
-    assert up == ["-m", "ups.cloud.startup", "upload", f"{work}/runs", "file:///nowhere"]
+    assert up == ["-m", "ups.cloud._startup", "upload", f"{work}/runs", "file:///nowhere"]
     assert shutdown_calls(tmp_path) == ["-h now"]
     log = (work / "runs" / LOG_FILE).read_text()
     assert "running the data step" in log and "torch.distributed.run" in log
@@ -265,7 +265,7 @@ def test_a_failing_step_still_uploads_and_shuts_down(tmp_path: Path, bin_dir: Pa
     spec = quick(tmp_path, bin_dir, upload_url="file:///x", data_step="echo fetching; exit 7")
     result = run_script(spec.render(), tmp_path, bin_dir, {"FAKE_RECORD": str(tmp_path / "record")})
     assert result.returncode == 7
-    assert [call[:3] for call in recorded(tmp_path)] == [["-m", "ups.cloud.startup", "upload"]]
+    assert [call[:3] for call in recorded(tmp_path)] == [["-m", "ups.cloud._startup", "upload"]]
     assert shutdown_calls(tmp_path) == ["-h now"]
     log = (Path(spec.workdir) / "runs" / LOG_FILE).read_text()
     assert "fetching" in log and "exit status 7" in log

@@ -19,8 +19,8 @@ import pytest
 from vast_server import VastServer
 
 from ups.cloud import VastAIError, VastAILauncher, VastAILauncherOptions
+from ups.cloud._startup import EXIT_FILE, LOG_FILE
 from ups.cloud._vastai import MULTI_MACHINE_WARNING
-from ups.cloud.startup import EXIT_FILE, LOG_FILE
 from ups.core import LaunchRequest, UsageError
 from ups.core.testing import tiny_project
 

@@ -4,8 +4,7 @@
 exit status live in its run folder, so it can be followed and cancelled from any later process
 (:class:`LocalLauncher`); ``slurm`` submits an ``sbatch`` script (:class:`SlurmLauncher`);
 ``vastai`` and ``vultr`` rent cloud machines (:class:`VastAILauncher`, :class:`VultrLauncher`),
-each given the start-up script :class:`StartupScript` renders (see :mod:`ups.cloud.startup`,
-which the machines also run to upload: ``python -m ups.cloud.startup upload``). Select one with
+each given the start-up script :class:`StartupScript` renders. Select one with
 ``launch: {name: local}``; its options class says what ``launch.options`` takes.
 
 Its names are imported when first used (PEP 562): ``import ups.cloud`` imports no launcher.
@@ -20,9 +19,9 @@ if TYPE_CHECKING:
     from ._local import JobRecord, LocalLauncher, LocalLauncherOptions
     from ._options import CloudOptions
     from ._slurm import SlurmLauncher, SlurmOptions
+    from ._startup import Env, StartupScript, upload
     from ._vastai import VastAIError, VastAILauncher, VastAILauncherOptions
     from ._vultr import VultrError, VultrLauncher, VultrLauncherOptions
-    from .startup import Env, StartupScript, upload
 
 State = JobState
 """The former name of :class:`ups.core.JobState`, what every launcher's ``status`` returns."""
@@ -40,9 +39,9 @@ _EXPORTS = {
     "VultrError": "._vultr",
     "VultrLauncher": "._vultr",
     "VultrLauncherOptions": "._vultr",
-    "Env": ".startup",
-    "StartupScript": ".startup",
-    "upload": ".startup",
+    "Env": "._startup",
+    "StartupScript": "._startup",
+    "upload": "._startup",
 }
 
 __all__ = [

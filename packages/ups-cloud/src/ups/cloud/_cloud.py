@@ -1,5 +1,5 @@
 """What the cloud launchers share, written once: a job is one instance per machine, each given
-its own start-up script (:mod:`ups.cloud.startup`). With several machines the first is created
+its own start-up script (:mod:`ups.cloud._startup`). With several machines the first is created
 alone and waited for, and its record tells the others where its rendezvous is. If any step of
 a submit fails, every instance created is deleted and the error says which (and which could
 not be). The handle is ``NAME:ID1,ID2,...``, the first machine first; it holds no secret.
@@ -25,7 +25,7 @@ import structlog
 from ups.core import JobState, LaunchRequest, UsageError, load_config
 
 from ._options import CloudOptions
-from .startup import StartupScript, machine_files, machine_request, node_upload_url
+from ._startup import StartupScript, machine_files, machine_request, node_upload_url
 
 log = structlog.get_logger()
 

@@ -24,7 +24,7 @@ import attrs
 from ups.core import ConfigError, UsageError, above, did_you_mean, one_of
 
 from ._secrets import ApiKey
-from .startup import _as_tuple
+from ._startup import _as_tuple
 
 OPTIONS_KEY = "launch.options"
 """The config section a launcher's options come from, which starts their key paths."""
@@ -78,7 +78,7 @@ class CloudOptions:
     taken too); used instead of ``api_key_env`` when given."""
     upload_url: str | None = None
     """An fsspec URL each machine's run folder is uploaded to at the end (machine R > 0:
-    ``<upload_url>/nodes/R``; see :mod:`ups.cloud.startup`). Its credentials must be where it
+    ``<upload_url>/nodes/R``; see :mod:`ups.cloud._startup`). Its credentials must be where it
     is read (the machines' image; this process too, where the launcher reads it), never in the
     URL."""
     ready_timeout_s: float = seconds(900.0)
@@ -95,11 +95,11 @@ class CloudOptions:
     files: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
     """Further files the run needs (e.g. a model module), as paths relative to the working
     directory: read at launch and written on each machine at the same relative path, beside
-    the config (see :func:`ups.cloud.startup.machine_files`)."""
+    the config (see :func:`ups.cloud._startup.machine_files`)."""
     network_interface: str | None = None
     """The NIC (e.g. ``enp8s0``) on which the machines of a multi-machine job reach each other;
     ``None``: each machine finds it at start (the rule:
-    :attr:`ups.cloud.startup.StartupScript.network_interface`)."""
+    :attr:`ups.cloud._startup.StartupScript.network_interface`)."""
 
     def api_key(self, launcher: str) -> ApiKey:
         """The API key these options name, for the launcher ``launcher``."""

@@ -1,12 +1,12 @@
 """What a job's machines uploaded, read here: each machine's run folder at ``upload_url``
-(machine R > 0 at ``<upload_url>/nodes/R``: :func:`ups.cloud.startup.node_upload_url`), its exit
+(machine R > 0 at ``<upload_url>/nodes/R``: :func:`ups.cloud._startup.node_upload_url`), its exit
 status (``startup.exit``) written last, so that its presence says the rest is there.
 """
 
 from __future__ import annotations
 
 from ._options import check_readable_here
-from .startup import EXIT_FILE, node_upload_url
+from ._startup import EXIT_FILE, node_upload_url
 
 READS_UPLOAD = "reading it here (ups status, ups logs)"
 """Why this process needs to read ``upload_url``, for the message when it cannot."""

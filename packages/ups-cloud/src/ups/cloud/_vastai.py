@@ -41,7 +41,7 @@ from ups.core import JobState, LaunchRequest, UsageError, above, at_least
 
 from ._cloud import CloudLauncher, Row, exit_state
 from ._options import CloudOptions, require, seconds, within
-from .startup import EXIT_FILE, StartupScript, machine_request
+from ._startup import EXIT_FILE, StartupScript, machine_request
 
 log = structlog.get_logger()
 

@@ -37,8 +37,8 @@ from ups.core import JobState, LaunchRequest, UsageError, at_least, load_config
 from ._cloud import CloudLauncher, Row, exit_state
 from ._options import CloudOptions, check_readable_here, seconds
 from ._rest import RestApi
+from ._startup import EXIT_FILE, LOG_FILE
 from ._uploads import READS_UPLOAD, read_upload, uploaded
-from .startup import EXIT_FILE, LOG_FILE
 
 log = structlog.get_logger()
 

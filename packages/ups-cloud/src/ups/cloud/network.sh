@@ -2,7 +2,7 @@
 # The address and interface the job's other machines reach this one on (a multi-machine job):
 # sets UPS_LOCAL_ADDR, UPS_IFACE, and UPS_IS_HOST (1: this machine serves the rendezvous).
 # $1: this machine's rank; $2: the rendezvous host; $3: the interface to use, or empty to
-# find it (see StartupScript.network_interface in ups.cloud.startup).
+# find it (see StartupScript.network_interface in ups.cloud._startup).
 ups_field() { awk -v key="$1" '{for (i = 1; i < NF; i++) if ($i == key) {print $(i + 1); exit}}'; }
 ups_iface_addr() {
   { ip -4 -o addr show dev "$1" scope global 2>/dev/null || true; } | awk '{split($4, a, "/"); print a[1]; exit}'

@@ -20,7 +20,7 @@ machine it is given to (as VastAI's on-start script or Vultr's user data, say):
 then, whether those steps succeeded or not (a trap on ``EXIT``):
 
 6. writes the exit status to ``RUN_DIR/startup.exit``;
-7. uploads ``RUN_DIR`` to ``upload_url`` with fsspec (``python -m ups.cloud.startup upload``),
+7. uploads ``RUN_DIR`` to ``upload_url`` with fsspec (``python -m ups.cloud._startup upload``),
    if one is given;
 8. shuts the machine down (``shutdown_command``), if ``auto_shutdown``, so nothing bills;
 
@@ -319,7 +319,7 @@ class StartupScript:
         run_dir, log_file = self.run_dir, posixpath.join(self.run_dir, LOG_FILE)
         lines = [
             "#!/usr/bin/env bash",
-            "# The start-up script of a ups job, written by ups.cloud.startup.",
+            "# The start-up script of a ups job, written by ups.cloud._startup.",
             "set -euo pipefail",
             f"UPS_WORKDIR={q(self.workdir)}",
             f"UPS_RUN_DIR={q(run_dir)}",
@@ -342,7 +342,7 @@ class StartupScript:
         if self.upload_url is not None:
             lines += [
                 f"    ups_say {q('uploading ' + run_dir + ' to ' + self.upload_url)}",
-                f'    "$UPS_PYTHON" -m ups.cloud.startup upload "$UPS_RUN_DIR" {q(self.upload_url)}'
+                f'    "$UPS_PYTHON" -m ups.cloud._startup upload "$UPS_RUN_DIR" {q(self.upload_url)}'
                 ' || ups_say "the upload failed"',
             ]
         if self.auto_shutdown:
@@ -430,10 +430,10 @@ def upload(src: str | Path, url: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ups.cloud.startup upload SRC URL``: what the script runs to upload."""
+    """``python -m ups.cloud._startup upload SRC URL``: what the script runs to upload."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 3 or args[0] != "upload":
-        print("usage: python -m ups.cloud.startup upload SRC URL", file=sys.stderr)
+        print("usage: python -m ups.cloud._startup upload SRC URL", file=sys.stderr)
         return 2
     written = upload(args[1], args[2])
     print(f"uploaded {len(written)} files to {args[2]}")
