@@ -31,6 +31,7 @@ def seen() -> list[str]:
 
 
 def ups(project: Path, seen: list[str], *args: str) -> tuple[int, str, str]:
+    """:func:`run_ups` in ``project``, what it printed kept in ``seen`` for the key checks."""
     result = run_ups(*args, cwd=project)
     seen += [result.stdout, result.stderr]
     return result.returncode, result.stdout, result.stderr
