@@ -43,9 +43,9 @@ print("torch" in sys.modules, file=sys.stderr)
 
 def launched_run(folder: Path) -> Path:
     """A run record of the ``local`` launcher, for ``ups status``: a job that succeeded."""
-    from ups.cloud.local import JobRecord
-    from ups.core.launch_record import new_record
-    from ups.core.records import LaunchRequest
+    from ups.cloud import JobRecord
+    from ups.core.launch._record import new_record
+    from ups.core.plugin._records import LaunchRequest
 
     job = folder / "job"
     job.mkdir()

@@ -4,7 +4,7 @@ Three measurements, each against a baseline taken in the same run:
 
 throughput
     The bundled example (``examples/pde_multitask``) trained on 2 ranks (a) by the engine
-    (``ups.core.launch.run_processes(train_here, config)``, what ``ups.core.train`` does) and
+    (``ups.core.launch._processes.run_processes(train_here, config)``, what ``ups.core.train`` does) and
     (b) by a plain DDP loop: same model, data, ``DistributedSampler``, batch size, optimizer and
     steps, started by the same ``run_processes``. A probe built by the model factory (the same
     on both sides) times steps ``warmup+1 .. warmup+steps`` with ``time.perf_counter`` through a
@@ -170,7 +170,7 @@ def write_config(
     """The example's config with ``overrides``, the probe in the model factory, steps capped,
     no checkpoints but the final one (the hand-written loop has none), its files under
     ``folder``."""
-    from ups.core.config import apply_overrides
+    from ups.core.config._config import apply_overrides
 
     config = apply_overrides(yaml.safe_load(EXAMPLE_CONFIG.read_text()), overrides)
     out = folder / f"{name}.probe.json"
@@ -215,7 +215,7 @@ def throughput_run(side: str, config_path: Path, nproc: int, log: Path) -> dict[
     """One run of one side: steps/s over the whole timed window and the median over its
     segments (robust to a burst of other load on the machine), and samples/s (all ranks)."""
     from ups.core import load_config
-    from ups.core.launch import run_processes, train_here
+    from ups.core.launch._processes import run_processes, train_here
 
     config = load_config(config_path)
     with stderr_to(log):

@@ -4,7 +4,7 @@ Three measurements, each against a baseline taken in the same run, all timed as
 ``bench_engine.py`` times them (its ``Probe``, an optimizer step post-hook:
 ``time.perf_counter`` behind a barrier every ``segment`` steps after ``warmup``; a run's rate
 is its median segment). The first two run the engine as ``ups.core.train`` starts it
-(``ups.core.launch.run_processes(train_here, config)``, the probe registered by the model
+(``ups.core.launch._processes.run_processes(train_here, config)``, the probe registered by the model
 factory):
 
 custom step
@@ -73,8 +73,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ups.core import Step, load_config
-from ups.core.imports import load_object
-from ups.core.launch import train_in_place
+from ups.core.config._user_code import load_object
+from ups.core.launch._processes import train_in_place
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]

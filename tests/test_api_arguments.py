@@ -1,7 +1,7 @@
 """Every public constructor of the Python API, fed a wrong value for one argument, raises one
 error that names that argument (a ``TypeError`` or ``ValueError``, and a ``ConfigError``):
 the samplers, ``checkpointer`` and ``save``, ``register_hook``, ``distributed_session`` and
-``Preemption`` (:mod:`ups.core.arguments`)."""
+``Preemption`` (:mod:`ups.core.config._arguments`)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ What each block gets, by its language:
 - ``python``: run, in a fresh namespace, in that folder, which is first on ``sys.path`` (as
   for a script run there, the page's saved modules import). A signature (a one-line
   ``def name(...) -> T``, or a ``class P(Protocol):`` of such lines) is instead compared with
-  the real one: a hook of ``ups.core.hookspecs``, a name ``ups.core`` exports, a protocol of
-  ``ups.core.records`` or of ``ups.core``.
+  the real one: a hook of ``ups.core.plugin.hookspecs``, a name ``ups.core`` exports, a protocol of
+  ``ups.core.plugin._records`` or of ``ups.core``.
 - ``yaml``: read with ``ups.core.read_yaml`` and built into a ``Config`` (on a minimal
   ``model``/``data`` when the block has none), so every key and value is checked; a ``sweep``
   section through ``ups_optuna.parse_sweep``; the options of a plugin section, and each
@@ -54,9 +54,11 @@ import tomllib
 from test_docs_hooks import protocol_lines, render
 
 import ups.core
-from ups.core import UsageError, config_from_mapping, hookspecs, load_plugins, read_yaml, records
-from ups.core.cli import _COMMANDS, _parser
-from ups.core.validate import validate
+from ups.core import UsageError, config_from_mapping, load_plugins, read_yaml
+from ups.core.cli._main import _COMMANDS, _parser
+from ups.core.config._validate import validate
+from ups.core.plugin import _records as records
+from ups.core.plugin import hookspecs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))

@@ -1,5 +1,5 @@
 """docs/config.md, the configuration reference, is tested against the attrs classes of
-``ups.core.config``: every key of every section has a row with its real default, no row names
+``ups.core.config._config``: every key of every section has a row with its real default, no row names
 a key that does not exist, and the plugin sections and the schedule name every key they take."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from ups.core import Config
-from ups.core.config import PluginChoice
-from ups.core.schedule import Rule
+from ups.core.config._config import PluginChoice
+from ups.core.engine._schedule import Rule
 
 CONFIG_MD = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text(encoding="utf-8")
 HINTS = typing.get_type_hints(Config)

@@ -1,4 +1,4 @@
-"""docs/hooks.md documents every hook of ``ups.core.hookspecs``, with its exact signature, and
+"""docs/hooks.md documents every hook of ``ups.core.plugin.hookspecs``, with its exact signature, and
 no hook that does not exist (as datasette's ``test_plugin_hooks_are_documented``).
 
 A hook's documented signature is a fenced ``python`` block of one line, ``def ups_x(...) -> T``,
@@ -21,16 +21,17 @@ import pytest
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Sampler
 
-from ups.core import RunContext, hookspecs
-from ups.core.markers import NAME
-from ups.core.plugins import FAMILIES
+from ups.core import RunContext
+from ups.core.plugin import hookspecs
+from ups.core.plugin._manager import FAMILIES
+from ups.core.plugin._markers import NAME
 
 ANNOTATED = {
     "DistributedDataParallel": DistributedDataParallel,
     "RunContext": RunContext,
     "Sampler": Sampler,
 }
-"""Names ``ups.core.records`` imports for its annotations only (under ``TYPE_CHECKING``, so
+"""Names ``ups.core.plugin._records`` imports for its annotations only (under ``TYPE_CHECKING``, so
 that listing the plugins imports no torch)."""
 HOOKS_MD = Path(__file__).resolve().parents[1] / "docs" / "hooks.md"
 TEXT = HOOKS_MD.read_text(encoding="utf-8")
@@ -108,7 +109,7 @@ MENTIONED = sorted(
 
 
 def test_hookspecs_has_hooks() -> None:
-    assert HOOKS, "no ups_* functions found in ups.core.hookspecs"
+    assert HOOKS, "no ups_* functions found in ups.core.plugin.hookspecs"
 
 
 @pytest.mark.parametrize("hook", sorted(HOOKS))
@@ -131,7 +132,7 @@ def test_hook_is_documented_with_its_signature(hook: str) -> None:
 
 @pytest.mark.parametrize("hook", MENTIONED)
 def test_documented_hook_exists(hook: str) -> None:
-    assert hook in HOOKS, f"docs/hooks.md mentions {hook}, which ups.core.hookspecs lacks"
+    assert hook in HOOKS, f"docs/hooks.md mentions {hook}, which ups.core.plugin.hookspecs lacks"
 
 
 @pytest.mark.parametrize("hook", sorted(RECORDS))

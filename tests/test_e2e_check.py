@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ups.core.cli import main
+from ups.core.cli._main import main
 from ups.core.testing import run_ups, tiny_project
 
 ROOT = Path(__file__).resolve().parents[1]

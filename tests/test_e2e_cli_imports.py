@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from ups.core.launch_record import new_record
-from ups.core.records import LaunchRequest
+from ups.core.launch._record import new_record
+from ups.core.plugin._records import LaunchRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import contextlib, io, sys
-from ups.core.cli import main
+from ups.core.cli._main import main
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     try:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ups.core import TrainResult, load_config, train
-from ups.core.config import CommHookChoice
+from ups.core.config._config import CommHookChoice
 from ups.core.testing import assert_bitwise_equal, read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

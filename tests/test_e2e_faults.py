@@ -23,7 +23,7 @@ import pytest
 import yaml
 from test_e2e_resume import final_state, project
 
-from ups.core.context import collective_timeout
+from ups.core.dist._context import collective_timeout
 from ups.core.testing import (
     assert_bitwise_equal,
     events,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from ups.core.config import LoaderConfig
-from ups.core.loader import Epoch, data_loader
+from ups.core.config._config import LoaderConfig
+from ups.core.engine._loader import Epoch, data_loader
 from ups.samplers import MultiTaskDistributedSampler, TensorDistributedSampler
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ups.core.launch import free_port
+from ups.core.launch._processes import free_port
 from ups.core.testing import read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ OPERATOR = ROOT / "examples" / "pde_operator" / "pde_operator.yaml"
 DETERMINISTIC = (
     "import sys, torch; torch.use_deterministic_algorithms(True); "
     "torch.backends.cudnn.benchmark = False; "
-    "from ups.core.cli import main; sys.exit(main())"
+    "from ups.core.cli._main import main; sys.exit(main())"
 )
 """``ups`` with ``torch.use_deterministic_algorithms(True)``: what docs/fault-tolerance.md says a
 bitwise run on a GPU needs (with ``CUBLAS_WORKSPACE_CONFIG``, set by the conftest)."""

@@ -13,7 +13,7 @@ import torch
 from gpu_runs import MULTITASK, checkpoint, events, ups
 
 from ups.core import RunContext, load_config, load_plugins
-from ups.core.engine import Run
+from ups.core.engine._run import Run
 from ups.core.testing import assert_bitwise_equal
 
 pytestmark = pytest.mark.gpu

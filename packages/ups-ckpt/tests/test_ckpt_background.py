@@ -1,7 +1,7 @@
 """``async_save``: staged copies, written in the background on a process group of its own.
 
 The two-rank tests hold rank 0's background writer at its first file (a stand-in for a slow
-disk, installed in the rank's own process by replacing ``ups.core.simple_checkpoint._write``) to observe
+disk, installed in the rank's own process by replacing ``ups.core.checkpoint._simple._write``) to observe
 what happens while a save is in flight.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ups.core.simple_checkpoint
+import ups.core.checkpoint._simple
 from ups.ckpt import CheckpointError, InBackground, LocalCheckpointOptions, Stager, stage
 from ups.ckpt.plugin import local_backend
 from ups.core import RunContext
@@ -36,11 +36,11 @@ class Holder:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         self.entered, self.gate = threading.Event(), threading.Event()
-        self.real_write = ups.core.simple_checkpoint._write
+        self.real_write = ups.core.checkpoint._simple._write
         self.patch = pytest.MonkeyPatch()
 
     def __enter__(self) -> Holder:
-        self.patch.setattr(ups.core.simple_checkpoint, "_write", self._write)
+        self.patch.setattr(ups.core.checkpoint._simple, "_write", self._write)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -164,7 +164,7 @@ def _failures(ctx: RunContext, directory: str) -> dict[str, Any]:
     ckpt.save({"bad": Opaque()}, step=4, rank_state={})
     raised["load"] = failure(ckpt.load_latest)
     # A disk that fails under rank 1's writer only.
-    real_write = ups.core.simple_checkpoint._write
+    real_write = ups.core.checkpoint._simple._write
 
     def disk_full(path: Path, obj: Any) -> Any:
         if path.name == "rank-1.pt":
@@ -172,7 +172,7 @@ def _failures(ctx: RunContext, directory: str) -> dict[str, Any]:
         return real_write(path, obj)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ups.core.simple_checkpoint, "_write", disk_full)
+        patch.setattr(ups.core.checkpoint._simple, "_write", disk_full)
         ckpt.save({"w": torch.ones(2)}, step=5, rank_state={})
         raised["disk"] = failure(ckpt.wait)
     # Still usable.

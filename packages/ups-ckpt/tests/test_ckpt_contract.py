@@ -1,4 +1,4 @@
-"""The one commit protocol (``ups.core.commit``), as every storage keeps it: the built-in
+"""The one commit protocol (``ups.core.checkpoint._commit``), as every storage keeps it: the built-in
 ``simple`` folder, ``local``, and ``fsspec`` (on a local path, no server)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each crash test runs two real ranks on a gloo process group that save steps 1 and 2, then
 save step 3 with one rank set to kill itself at one point of the save. Nothing in ``ups.ckpt``
 is changed for it: the rank that dies replaces, in its own process, a function the save calls
-at that point (``ups.core.simple_checkpoint._write``, ``os.rename`` as ``ups.core.simple_checkpoint`` sees it, ...)
+at that point (``ups.core.checkpoint._simple._write``, ``os.rename`` as ``ups.core.checkpoint._simple`` sees it, ...)
 by one that does part of the work and sends itself ``SIGKILL``. Its partner, stuck in a
 collective, is then killed, as a launcher would. A fresh group of two ranks, and a single
 process, must then load exactly the checkpoint the stage allows, bit for bit, and the next
@@ -33,12 +33,12 @@ import pytest
 import structlog
 import torch
 
-import ups.core.commit
-import ups.core.files
-import ups.core.simple_checkpoint
+import ups.core.checkpoint._commit
+import ups.core.checkpoint._files
+import ups.core.checkpoint._simple
 from ups.ckpt import CheckpointError, LocalCheckpointer, LocalCheckpointOptions
 from ups.core import RunContext, distributed_session
-from ups.core.forkserver import start_method
+from ups.core.launch._forkserver import start_method
 from ups.core.testing import assert_bitwise_equal, free_port, torchrun_env
 
 OPTIONS = LocalCheckpointOptions(keep_last=2)
@@ -79,7 +79,7 @@ def listing(folder: Path) -> list[str]:
 
 
 def _context() -> Any:
-    """ups's forkserver (``ups.core.forkserver``), as ``run_ranks`` uses: one per process, so
+    """ups's forkserver (``ups.core.launch._forkserver``), as ``run_ranks`` uses: one per process, so
     a forkserver of this module's own would leave every later test spawning its ranks."""
     return multiprocessing.get_context(start_method())
 
@@ -182,7 +182,7 @@ class Patched:
 
 def half_written(name: str) -> None:
     """Die half way through writing the file ``name``: half its bytes are on disk."""
-    real_write = ups.core.simple_checkpoint._write
+    real_write = ups.core.checkpoint._simple._write
 
     def write(path: Path, obj: Any) -> Any:
         if path.name != name:
@@ -195,7 +195,7 @@ def half_written(name: str) -> None:
             os.fsync(file.fileno())
         die()
 
-    CHILD.setattr(ups.core.simple_checkpoint, "_write", write)
+    CHILD.setattr(ups.core.checkpoint._simple, "_write", write)
 
 
 def writing_state() -> None:
@@ -215,7 +215,7 @@ def writing_commit() -> None:
             os.fsync(file.fileno())
         die()
 
-    CHILD.setattr(ups.core.simple_checkpoint, "_write_new", write_new)
+    CHILD.setattr(ups.core.checkpoint._simple, "_write_new", write_new)
 
 
 def renaming_into_place() -> None:
@@ -224,7 +224,7 @@ def renaming_into_place() -> None:
             die()
         os.rename(src, dst)
 
-    CHILD.setattr(ups.core.simple_checkpoint, "os", Patched(os, rename=rename))
+    CHILD.setattr(ups.core.checkpoint._simple, "os", Patched(os, rename=rename))
 
 
 def before_latest() -> None:
@@ -232,7 +232,7 @@ def before_latest() -> None:
         assert path.name == "latest"
         die()
 
-    CHILD.setattr(ups.core.simple_checkpoint, "write_atomically", write_atomically)
+    CHILD.setattr(ups.core.checkpoint._simple, "write_atomically", write_atomically)
 
 
 def replacing_latest() -> None:
@@ -243,14 +243,14 @@ def replacing_latest() -> None:
             die()
         os.replace(src, dst)
 
-    CHILD.setattr(ups.core.files, "os", Patched(os, replace=replace))
+    CHILD.setattr(ups.core.checkpoint._files, "os", Patched(os, replace=replace))
 
 
 def before_retention() -> None:
     def prune(*args: Any, **kwargs: Any) -> NoReturn:
         die()
 
-    CHILD.setattr(ups.core.commit, "prune", prune)
+    CHILD.setattr(ups.core.checkpoint._commit, "prune", prune)
 
 
 def during_retention() -> None:
@@ -263,19 +263,19 @@ def during_retention() -> None:
             die()
         shutil.rmtree(path, *args, **kwargs)
 
-    CHILD.setattr(ups.core.simple_checkpoint, "shutil", Patched(shutil, rmtree=rmtree))
+    CHILD.setattr(ups.core.checkpoint._simple, "shutil", Patched(shutil, rmtree=rmtree))
 
 
 def replacing_a_step_saved_before() -> None:
     """Saving step 3 again: the old step-3 deleted, the new one not renamed into place."""
-    real_remove = ups.core.simple_checkpoint._remove
+    real_remove = ups.core.checkpoint._simple._remove
 
     def remove(path: Path, folder: Path) -> None:
         real_remove(path, folder)
         if path.name == "step-3":
             die()
 
-    CHILD.setattr(ups.core.simple_checkpoint, "_remove", remove)
+    CHILD.setattr(ups.core.checkpoint._simple, "_remove", remove)
 
 
 @attrs.frozen

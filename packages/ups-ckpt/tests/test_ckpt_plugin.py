@@ -12,8 +12,8 @@ import torch
 from ups.ckpt import InBackground, LocalCheckpointer, LocalCheckpointOptions
 from ups.ckpt.plugin import local_backend
 from ups.core import CheckpointBackendPlugin, ConfigError, RunContext, load_plugins
-from ups.core.config import config_from_mapping
-from ups.core.launch import train_here
+from ups.core.config._config import config_from_mapping
+from ups.core.launch._processes import train_here
 
 
 def build_model() -> torch.nn.Module:

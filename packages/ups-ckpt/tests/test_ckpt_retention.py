@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ups.core.simple_checkpoint
+import ups.core.checkpoint._simple
 from ups.ckpt import LocalCheckpointer, LocalCheckpointOptions, expired
 from ups.ckpt.plugin import local_backend
 from ups.core import RunContext
@@ -162,7 +162,7 @@ def test_retention_never_deletes_a_save_in_flight_nor_what_latest_names(
         ctx=SINGLE, directory=tmp_path, options=LocalCheckpointOptions(keep_last=1, async_save=True)
     )
     entered, gate = threading.Event(), threading.Event()
-    real_write = ups.core.simple_checkpoint._write
+    real_write = ups.core.checkpoint._simple._write
 
     def held(path: Path, obj: Any) -> Any:
         if path.parent.name.startswith(".tmp-step-2-"):
@@ -170,7 +170,7 @@ def test_retention_never_deletes_a_save_in_flight_nor_what_latest_names(
             assert gate.wait(30), "never released"
         return real_write(path, obj)
 
-    monkeypatch.setattr(ups.core.simple_checkpoint, "_write", held)
+    monkeypatch.setattr(ups.core.checkpoint._simple, "_write", held)
     background.save({"by": "background", "w": torch.ones(2)}, step=2, rank_state={})
     try:
         assert entered.wait(30), "the background save never began writing"

@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from ups.core import Committing, RunContext, load_config, load_plugins
-from ups.core.engine import train
+from ups.core.engine._run import train
 from ups.core.testing import run_ranks, tiny_project
 
 CHECKPOINTS_MD = Path(__file__).resolve().parents[3] / "docs" / "checkpoints.md"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ups.core.cli import main
+from ups.core.cli._main import main
 from ups.core.testing import tiny_project
 
 Result = subprocess.CompletedProcess[str]
@@ -25,7 +25,7 @@ def project(tmp_path: Path) -> Path:
 def ups(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> Callable[..., Result]:
-    """``ups ARGS`` run by :func:`ups.core.cli.main` in this process, in ``cwd`` if given:
+    """``ups ARGS`` run by :func:`ups.core.cli._main.main` in this process, in ``cwd`` if given:
     its exit status, stdout and stderr, as :func:`~ups.core.testing.run_ups` gives a process's."""
 
     def run(*args: str, cwd: Path | None = None) -> Result:

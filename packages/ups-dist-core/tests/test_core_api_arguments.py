@@ -1,5 +1,5 @@
 """Arguments of the Python API: one error naming the argument, what is allowed and the value
-(:mod:`ups.core.arguments`; every public constructor is fed wrong values in
+(:mod:`ups.core.config._arguments`; every public constructor is fed wrong values in
 tests/test_api_arguments.py); and ranks that torchrun restarts under ``--master-port`` meeting
 again (:func:`ups.core.distributed_session`)."""
 
@@ -23,7 +23,7 @@ from ups.core import (
     did_you_mean,
     distributed_session,
 )
-from ups.core.arguments import ArgumentTypeError, ArgumentValueError, choice, integer, shown
+from ups.core.config._arguments import ArgumentTypeError, ArgumentValueError, choice, integer, shown
 from ups.core.testing import free_port, torchrun_env
 
 

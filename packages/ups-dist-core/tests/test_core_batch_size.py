@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ups.core import RankFailedError, RunContext
-from ups.core.batch_size import BatchSizeError, find_batch_size
+from ups.core.engine._largest_batch import BatchSizeError, find_batch_size
 from ups.core.testing import run_ranks
 
 OOM_ERRORS: list[Callable[[], Exception]] = [

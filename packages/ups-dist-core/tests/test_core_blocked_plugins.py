@@ -9,9 +9,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from ups.core import ConfigError, load_config
-from ups.core.plugins import BLOCK_ENV, load_plugins
+from ups.core.config._validate import validate
+from ups.core.plugin._manager import BLOCK_ENV, load_plugins
 from ups.core.testing import install_plugin, run_ups, tiny_project
-from ups.core.validate import validate
 
 TRACKER = """
 import attrs

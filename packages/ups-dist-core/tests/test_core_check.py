@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ups.core import load_config, load_plugins
-from ups.core.check import examine, without_dropout
+from ups.core.cli._check import examine, without_dropout
 from ups.core.testing import install_plugin, run_ups, tiny_project
 
 Result = subprocess.CompletedProcess[str]

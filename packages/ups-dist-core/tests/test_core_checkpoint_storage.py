@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ups.core import CheckpointError, Committing, FileRecord, FolderStorage, RunContext
-from ups.core.arguments import ArgumentTypeError
-from ups.core.commit import STORAGE_METHODS
+from ups.core.checkpoint._commit import STORAGE_METHODS
+from ups.core.config._arguments import ArgumentTypeError
 
 NINE = "stage, write, read, commit, checkpoints, remove, set_pointer, read_pointer, location"
 

@@ -149,7 +149,7 @@ DUPLICATE = """run:
 def test_bad_input_that_got_through_is_one_line_and_exit_2(
     project: Path, ups: Callable[..., Result], args: tuple[str, ...], message: str
 ) -> None:
-    """In this process (``ups``: :func:`ups.core.cli.main`): each is refused before any rank
+    """In this process (``ups``: :func:`ups.core.cli._main.main`): each is refused before any rank
     starts, with one line naming the file, key or flag."""
     (project / "bytes.yaml").write_bytes(bytes([0xFF, 0xFE, 0x00, 0x9C]) * 64)
     (project / "twice.yaml").write_text(DUPLICATE)

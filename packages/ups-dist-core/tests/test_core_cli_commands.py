@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ups.core.cli import main
+from ups.core.cli._main import main
 from ups.core.testing import install_plugin
 
 HELLO = """

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from ups.core import load_plugins
-from ups.core.cli import main
+from ups.core.cli._main import main
 from ups.core.testing import install_plugin, tiny_project
 
 TAKEOVER = """
 from ups.core import SamplerPlugin, hookimpl
-from ups.core.builtins import torch_sampler
+from ups.core.plugin._builtins import torch_sampler
 
 
 @hookimpl

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ups.core import CheckpointError, ConfigError, RunContext, UsageError, all_mean, decide
-from ups.core.simple_checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
+from ups.core.checkpoint._simple import SimpleCheckpointer, SimpleCheckpointOptions
 from ups.core.testing import run_ranks
 
 

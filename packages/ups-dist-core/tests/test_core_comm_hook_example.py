@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ups.core import RunContext, load_config, load_plugins
-from ups.core.engine import train
+from ups.core.engine._run import train
 from ups.core.testing import assert_params_close, read_checkpoint, run_ranks, tiny_project
 
 HOOKS_MD = Path(__file__).resolve().parents[3] / "docs" / "hooks.md"

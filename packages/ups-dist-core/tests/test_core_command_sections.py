@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ups.core import UsageError, load_config
-from ups.core.plugins import load_plugins
+from ups.core.plugin._manager import load_plugins
 from ups.core.testing import install_plugin, run_ups, tiny_project
 
 GREET = """

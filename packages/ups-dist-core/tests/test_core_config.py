@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ups.core.config import (
+from ups.core.config._config import (
     Config,
     DuplicateKeyError,
     apply_overrides,
@@ -15,7 +15,7 @@ from ups.core.config import (
     parse_overrides,
     read_yaml,
 )
-from ups.core.errors import ConfigError, UsageError
+from ups.core.config._errors import ConfigError, UsageError
 
 BASE = {"model": {"factory": "m:f"}, "data": {"factory": "m:g"}}
 

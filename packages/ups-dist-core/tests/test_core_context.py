@@ -8,7 +8,7 @@ import torch.distributed as dist
 from structlog.testing import capture_logs
 
 from ups.core import RunContext, UsageError, distributed_session
-from ups.core.context import first_host, launched, read_placement
+from ups.core.dist._context import first_host, launched, read_placement
 from ups.core.testing import free_port, run_ranks, torchrun_env
 
 

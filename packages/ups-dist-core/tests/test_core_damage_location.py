@@ -10,7 +10,7 @@ import torch
 from structlog.testing import capture_logs
 
 from ups.core import Committing, FolderStorage, RunContext, SimpleCheckpointOptions
-from ups.core.simple_checkpoint import SimpleCheckpointer
+from ups.core.checkpoint._simple import SimpleCheckpointer
 
 
 class Described(FolderStorage):

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ups.core import RunContext, load_config, load_plugins
-from ups.core.desync import DesyncError, check_in_sync, parameter_checksum
-from ups.core.engine import train
+from ups.core.dist._desync import DesyncError, check_in_sync, parameter_checksum
+from ups.core.engine._run import train
 from ups.core.testing import run_ranks, tiny_project
 
 DRIFTING_MODEL = '''

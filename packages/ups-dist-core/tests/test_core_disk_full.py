@@ -65,7 +65,7 @@ def test_a_save_on_a_full_disk_says_so_and_keeps_the_checkpoint_before(
 RUN_FILES = """
 import sys
 from ups.core import RunContext, load_config
-from ups.core.rundir import RunFiles
+from ups.core.engine._rundir import RunFiles
 
 config = load_config(sys.argv[1], [f"run.output_dir={sys.argv[2]}"])
 try:
@@ -73,7 +73,7 @@ try:
 except OSError as error:
     print(error)
 """
-"""Rank 0 of a run starting: its :class:`~ups.core.rundir.RunFiles` writes ``config.yaml``."""
+"""Rank 0 of a run starting: its :class:`~ups.core.engine._rundir.RunFiles` writes ``config.yaml``."""
 
 
 def test_the_config_written_at_the_start_on_a_full_disk_is_not_left_empty(

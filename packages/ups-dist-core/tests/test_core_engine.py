@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from ups.core import load_config, train
-from ups.core.config import EvalConfig
+from ups.core.config._config import EvalConfig
 from ups.core.testing import events, read_checkpoint
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ups.core import ConfigError, load_config, load_plugins, train
-from ups.core.imports import load_object
+from ups.core.config._user_code import load_object
+from ups.core.config._validate import validate
 from ups.core.testing import read_checkpoint, tiny_project
-from ups.core.validate import validate
 
 EVAL = {"factory": "tiny.py:build_dataset", "options": {"n": 67}, "every_steps": 2}
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ups.core import ConfigError
-from ups.core.imports import TRACEBACK_ENV, load_object
+from ups.core.config._user_code import TRACEBACK_ENV, load_object
 from ups.core.testing import events, run_ups, tiny_project
 
 BROKEN = {

@@ -15,7 +15,7 @@ os.environ["UPS_TEST_STALE"] = "1"  # at collection: before the forkserver start
 
 
 def what_the_rank_sees(ctx: RunContext) -> dict[str, object]:
-    from ups.core import forkserver
+    from ups.core.launch import _forkserver as forkserver
 
     return {
         "forked": os.getpid() != forkserver._IMPORTED_BY,  # from a server that preloaded it

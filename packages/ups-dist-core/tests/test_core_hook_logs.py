@@ -8,7 +8,7 @@ from pathlib import Path
 import structlog
 
 from ups.core import RunContext, TrainResult, hookimpl, load_config, load_plugins
-from ups.core.engine import train
+from ups.core.engine._run import train
 from ups.core.testing import events, run_ranks, tiny_project
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}

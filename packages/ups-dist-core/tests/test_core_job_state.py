@@ -8,7 +8,7 @@ from __future__ import annotations
 import typing
 
 from ups.core import TERMINAL, JobState, Launcher
-from ups.core.launch_record import HELD, held_note
+from ups.core.launch._record import HELD, held_note
 
 
 def test_a_state_is_its_own_name_as_a_string() -> None:

@@ -1,5 +1,5 @@
 """A launcher killed with SIGKILL takes its ranks, and their loader workers, with it; a rank
-killed so takes its workers (:mod:`ups.core.lifeline`). Real processes, found through /proc."""
+killed so takes its workers (:mod:`ups.core.launch._lifeline`). Real processes, found through /proc."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def test_ranks_of_ups_core_train_end_with_the_process_that_called_it(tmp_path: P
 STUCK_RANK = """
 import os, pathlib, sys, time
 import torch.utils.data
-from ups.core.lifeline import die_with_loader
+from ups.core.launch._lifeline import die_with_loader
 
 class Stuck(torch.utils.data.Dataset):
     def __len__(self):
@@ -177,7 +177,7 @@ def test_loader_workers_stuck_in_getitem_end_with_their_rank(tmp_path: Path) -> 
 def test_a_rank_whose_launcher_is_gone_before_it_watches_ends_at_once() -> None:
     """The race the parent-death signal leaves: the launcher ended before the rank asked for
     it (the rank has another parent by then); the rank ends when it asks."""
-    code = "from ups.core.lifeline import watch_starter; watch_starter(); print('lived')"
+    code = "from ups.core.launch._lifeline import watch_starter; watch_starter(); print('lived')"
     env = os.environ | {"UPS_LAUNCHER_PID": str(os.getpid() + 1_000_000)}  # not its parent
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert (done.returncode, done.stdout) == (-signal.SIGKILL, "")
@@ -185,7 +185,7 @@ def test_a_rank_whose_launcher_is_gone_before_it_watches_ends_at_once() -> None:
 
 def test_a_rank_under_its_launcher_lives_and_hides_the_launcher_from_its_children() -> None:
     code = (
-        "import os; from ups.core.lifeline import LAUNCHER, watch_starter; watch_starter(); "
+        "import os; from ups.core.launch._lifeline import LAUNCHER, watch_starter; watch_starter(); "
         "print(LAUNCHER in os.environ)"
     )
     env = os.environ | {"UPS_LAUNCHER_PID": str(os.getpid())}  # its parent: this process

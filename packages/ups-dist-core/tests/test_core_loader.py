@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import Dataset, DistributedSampler
 
-from ups.core.config import LoaderConfig
-from ups.core.loader import Epoch, data_loader, place_seeds, seed_of
+from ups.core.config._config import LoaderConfig
+from ups.core.engine._loader import Epoch, data_loader, place_seeds, seed_of
 
 GENERATORS = ("torch", "python", "numpy")
 

@@ -20,9 +20,9 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from ups.core import logs
-from ups.core.context import RunContext
-from ups.core.progress import Progress
+from ups.core.dist._context import RunContext
+from ups.core.observe import _logs as logs
+from ups.core.observe._progress import Progress
 from ups.core.testing import events, run_ranks, tiny_project
 
 log = structlog.get_logger()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ups.core import ConfigError, load_config, load_plugins, train
-from ups.core.optim import OPTIMIZERS, SCHEDULERS
+from ups.core.config._validate import TORCH_NAMES, validate
+from ups.core.engine._optim import OPTIMIZERS, SCHEDULERS
 from ups.core.testing import assert_params_close, read_checkpoint, tiny_project
-from ups.core.validate import TORCH_NAMES, validate
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pde_multitask.py"
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ups.core import ConfigError
-from ups.core.model_state import SHOWN, differences, load_model_state
+from ups.core.checkpoint._model_state import SHOWN, differences, load_model_state
 from ups.core.testing import run_ups, tiny_project
 
 widths = st.integers(1, 6)

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from ups.core import ConfigError, LossWindow, Preemption, RunContext, Watchdog, decide
 from ups.core.testing import counting_all_reduces, run_ranks
 
-ENGINE = ("ups.core.engine", "ups.core.stepping", "ups.core.resume")
+ENGINE = ("ups.core.engine._run", "ups.core.engine._update", "ups.core.engine._resume")
 """Modules only the engine needs (the ranks here run under ``ups.core.testing``, which imports
-``ups.core.launch`` for ``free_port``; tests/test_own_loop_imports.py checks a user's process,
+``ups.core.launch._processes`` for ``free_port``; tests/test_own_loop_imports.py checks a user's process,
 which imports neither)."""
 
 

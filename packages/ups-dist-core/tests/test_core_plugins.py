@@ -19,11 +19,11 @@ from ups.core import (
     hookimpl,
     load_config,
 )
-from ups.core.builtins import torch_sampler
-from ups.core.config import PluginChoice
-from ups.core.plugins import AUTOLOAD_ENV, BLOCK_ENV, load_plugins
+from ups.core.config._config import PluginChoice
+from ups.core.config._validate import select_sampler, validate
+from ups.core.plugin._builtins import torch_sampler
+from ups.core.plugin._manager import AUTOLOAD_ENV, BLOCK_ENV, load_plugins
 from ups.core.testing import install_plugin, tiny_project
-from ups.core.validate import select_sampler, validate
 
 
 @attrs.frozen
@@ -154,7 +154,7 @@ def test_an_unknown_name_lists_what_is_available() -> None:
 
 GOOD = """
 from ups.core import hookimpl, SamplerPlugin
-from ups.core.builtins import torch_sampler, TorchSamplerOptions
+from ups.core.plugin._builtins import torch_sampler, TorchSamplerOptions
 
 @hookimpl
 def ups_samplers():

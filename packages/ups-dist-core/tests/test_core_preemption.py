@@ -7,7 +7,7 @@ import signal
 import time
 
 from ups.core import RunContext
-from ups.core.preemption import CHECK_EVERY_S, Preemption
+from ups.core.dist._preemption import CHECK_EVERY_S, Preemption
 from ups.core.testing import run_ranks
 
 

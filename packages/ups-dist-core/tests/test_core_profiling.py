@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ups.core import RankFailedError, RunContext, UsageError
-from ups.core.profiling import (
+from ups.core.observe._profiling import (
     CommProfile,
     StepProfiler,
     comm_profile,

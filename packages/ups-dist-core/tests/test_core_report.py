@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from ups.core import load_config, train
-from ups.core.cli import main
-from ups.core.errors import UsageError
-from ups.core.report import plot, read_metrics, run_name, summary
+from ups.core.cli._main import main
+from ups.core.config._errors import UsageError
+from ups.core.observe._summary import plot, read_metrics, run_name, summary
 from ups.core.testing import tiny_project, without
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from ups.core import ConfigError, config_from_mapping
-from ups.core.config import RunConfig
+from ups.core.config._config import RunConfig
 from ups.core.testing import tiny_project
 
 pytest_plugins = ["mounts"]  # the tmpfs fixture

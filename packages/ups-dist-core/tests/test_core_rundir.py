@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ups.core.rundir import _claim
+from ups.core.engine._rundir import _claim
 
 
 def test_a_folder_of_launcher_files_alone_is_no_earlier_run(tmp_path: Path) -> None:

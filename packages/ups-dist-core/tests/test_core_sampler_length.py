@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from torch.utils.data import Sampler
 
 from ups.core import RunContext, SamplerPlugin, hookimpl, load_config, load_plugins
-from ups.core.config import LoaderConfig
-from ups.core.engine import train
-from ups.core.loader import Epoch, data_loader
+from ups.core.config._config import LoaderConfig
+from ups.core.engine._loader import Epoch, data_loader
+from ups.core.engine._run import train
 from ups.core.testing import events, run_ranks, tiny_project
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}

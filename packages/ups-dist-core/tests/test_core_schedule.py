@@ -18,8 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ups.core import ConfigError, RunContext, UsageError, collectives
-from ups.core.schedule import (
+from ups.core import ConfigError, RunContext, UsageError
+from ups.core.config._structure import structure
+from ups.core.dist import _collectives as collectives
+from ups.core.engine._schedule import (
     MULTIPLIER_KEY,
     Action,
     Decision,
@@ -30,7 +32,6 @@ from ups.core.schedule import (
     apply_lr_multiplier,
     schedule_warnings,
 )
-from ups.core.structure import structure
 from ups.core.testing import run_ranks
 
 Trace = Sequence[tuple[int, float | None]]

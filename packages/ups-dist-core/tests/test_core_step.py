@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ups.core import ConfigError, Step, StepError, load_config, load_plugins, train
-from ups.core.batches import BatchError
+from ups.core.config._validate import validate
+from ups.core.engine._batches import BatchError
 from ups.core.testing import assert_bitwise_equal, assert_params_close, read_checkpoint
-from ups.core.validate import validate
 
 STEP_MODULE = '''
 import torch
@@ -321,10 +321,10 @@ def test_functions_set_on_a_subclass_are_not_bound_to_the_step() -> None:
 
 def test_a_mean_loss_counts_for_the_samples_it_says_it_averages() -> None:
     from ups.core import RunContext
-    from ups.core.metrics import LossWindow
-    from ups.core.stepping import Forward
-    from ups.core.user_metrics import UserMetrics
-    from ups.core.watchdog import Watchdog
+    from ups.core.dist._watchdog import Watchdog
+    from ups.core.engine._update import Forward
+    from ups.core.observe._metrics import LossWindow
+    from ups.core.observe._step_metrics import UserMetrics
 
     ctx = RunContext()
     metrics = UserMetrics({}, ("all",), ctx.device)
@@ -374,9 +374,9 @@ class OwnStep(Step):
 
 def test_the_watchdog_names_the_user_code_a_step_runs() -> None:
     from ups.core import RunContext
-    from ups.core.stepping import Forward
-    from ups.core.user_metrics import UserMetrics
-    from ups.core.watchdog import Watchdog
+    from ups.core.dist._watchdog import Watchdog
+    from ups.core.engine._update import Forward
+    from ups.core.observe._step_metrics import UserMetrics
 
     ctx = RunContext()
     watched = Watched(Watchdog(ctx, "test"))
@@ -427,10 +427,10 @@ def test_the_built_in_loss_by_name_taken_as_one_mean_weighs_and_reports_as_per_s
     (with one task, the report adds up that mean; with several, per-sample losses taken
     without gradients); its gradient and the report are the per-sample path's."""
     from ups.core import RunContext
-    from ups.core.metrics import LossWindow
-    from ups.core.stepping import Forward
-    from ups.core.user_metrics import UserMetrics
-    from ups.core.watchdog import Watchdog
+    from ups.core.dist._watchdog import Watchdog
+    from ups.core.engine._update import Forward
+    from ups.core.observe._metrics import LossWindow
+    from ups.core.observe._step_metrics import UserMetrics
 
     ctx = RunContext()
     generator = torch.Generator().manual_seed(seed)
@@ -467,9 +467,9 @@ def test_outputs_and_target_of_other_shapes_keep_the_per_sample_loss() -> None:
     """Where outputs and target differ in shape, the step's own ``loss`` says what the loss
     is (here a broadcast): no mean is taken in its place."""
     from ups.core import RunContext
-    from ups.core.stepping import Forward
-    from ups.core.user_metrics import UserMetrics
-    from ups.core.watchdog import Watchdog
+    from ups.core.dist._watchdog import Watchdog
+    from ups.core.engine._update import Forward
+    from ups.core.observe._step_metrics import UserMetrics
 
     ctx = RunContext()
     forward = Forward(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ups.core import load_config, train
-from ups.core.launch import tune
+from ups.core.launch._processes import tune
 from ups.core.testing import run_ups, tiny_project
 
 LIMITED_MODULE = '''

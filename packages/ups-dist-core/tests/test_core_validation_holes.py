@@ -23,10 +23,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ups.core import Config, ConfigError, Step, StepError, load_config, load_plugins, train
-from ups.core.step import pick
-from ups.core.structure import INT_BOUND, structure
+from ups.core.config._structure import INT_BOUND, structure
+from ups.core.config._validate import validate
+from ups.core.engine._step import pick
 from ups.core.testing import run_ups, tiny_project
-from ups.core.validate import validate
 
 # --- numbers -------------------------------------------------------------------------------
 

@@ -8,9 +8,8 @@ import sys
 import attrs
 
 from ups.core import RunContext
-from ups.core.context import collective_timeout
-from ups.core.testing import run_ranks
-from ups.core.watchdog import (
+from ups.core.dist._context import collective_timeout
+from ups.core.dist._watchdog import (
     BACKWARD,
     DONE,
     FORWARD,
@@ -21,6 +20,7 @@ from ups.core.watchdog import (
     verdict,
     waiting_in,
 )
+from ups.core.testing import run_ranks
 
 C10D = os.path.join("site-packages", "torch", "distributed", "distributed_c10d.py")
 

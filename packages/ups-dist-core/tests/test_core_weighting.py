@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from torch.utils.data import Sampler
 
 from ups.core import Config, RunContext, SamplerPlugin, StepError, config_from_mapping, hookimpl
-from ups.core.engine import train
-from ups.core.plugins import AUTOLOAD_ENV, load_plugins
-from ups.core.stepping import Stepper
+from ups.core.engine._run import train
+from ups.core.engine._update import Stepper
+from ups.core.plugin._manager import AUTOLOAD_ENV, load_plugins
 from ups.core.testing import assert_params_close, read_checkpoint, run_ranks
 
 FACTORIES = Path(__file__).resolve().with_name("weighing_factories.py")

@@ -43,7 +43,7 @@ from ups.core import (
     write_report,
 )
 
-if TYPE_CHECKING:  # ups.core.context imports torch; every `ups` command imports this module
+if TYPE_CHECKING:  # ups.core.dist imports torch; every `ups` command imports this module
     from ups.core import RunContext
 
 log = structlog.get_logger()

@@ -7,7 +7,7 @@ pointer); see :mod:`ups.ckpt.local`. Select it in the config with
 background (:mod:`ups.ckpt.background`).
 
 The commit protocol the backends share, its errors and records (:class:`CheckpointError`,
-:class:`Manifest`, ...) are the engine's (:mod:`ups.core.commit`), re-exported here.
+:class:`Manifest`, ...) are the engine's (:mod:`ups.core.checkpoint`), re-exported here.
 
 In a loop of one's own, :func:`checkpointer` builds one from a folder or URL and options (see
 docs/own-loop.md).

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ups.core import Checkpointer, ConfigError, RunContext, structure
-from ups.core.arguments import boolean, check_type
+from ups.core.config import boolean, check_type
 
 from .plugin import ups_checkpoint_backends
 
@@ -38,7 +38,7 @@ def checkpointer(
         state is copied); for a URL, ``storage_options`` (passed to fsspec).
     :raises ConfigError: naming the argument: ``location`` that is a file, an unknown option
         or one of the wrong type; for an argument of the wrong type, an
-        :class:`~ups.core.arguments.ArgumentTypeError` (a ``TypeError`` too).
+        :class:`~ups.core.config.ArgumentTypeError` (a ``TypeError`` too).
     """
     check_type("location", location, str | os.PathLike, "a folder's path or a URL")
     check_type("ctx", ctx, RunContext, "a RunContext (from ups.core.distributed_session)")

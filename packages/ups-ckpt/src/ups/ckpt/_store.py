@@ -51,7 +51,7 @@ def filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
 
 
 def probe_store(*, directory: Path, options: FsspecCheckpointOptions) -> None:
-    """The ``fsspec`` backend's :class:`~ups.core.records.CheckpointProbe`: on a local path,
+    """The ``fsspec`` backend's :class:`~ups.core.CheckpointProbe`: on a local path,
     that its folder can be made and written (:func:`ups.core.check_writable`); in a store, that
     an empty probe object can be written under the URL and deleted again.
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ups.core import Checkpointer, Loaded, RunContext
-from ups.core.arguments import saved_rank_state
+from ups.core.config import saved_rank_state
 
 log = structlog.get_logger()
 

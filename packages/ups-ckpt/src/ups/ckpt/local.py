@@ -2,8 +2,8 @@
 
 The layout under the run's folder (``checkpoints/step-<N>/`` with ``state.pt``, a
 ``rank-<r>.pt`` per rank and ``COMMIT``; ``latest``), the commit rule, the verification and the
-loading are ``simple``'s (:mod:`ups.core.simple_checkpoint`, the commit protocol of
-:mod:`ups.core.commit` over a folder). A save is a collective every rank enters: rank 0 makes
+loading are ``simple``'s (:mod:`ups.core.checkpoint`, the commit protocol of
+:mod:`ups.core.checkpoint` over a folder). A save is a collective every rank enters: rank 0 makes
 the temporary folder; every rank writes and fsyncs its own files there (where ``simple``
 gathers them to rank 0), so the folder must be on a filesystem every rank sees (one machine,
 or a shared filesystem); all ranks learn whether any rank failed; rank 0 writes ``COMMIT``,

@@ -160,7 +160,7 @@ def split(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Ten
     tensor of its shape and dtype, "tensors": their names, in the tree's order}``) and its
     tensors by name: the path of keys and positions joined by ``/``, with ``#2``, ``#3`` added
     to a name already taken (by a key holding a ``/``). Dicts, ordered dicts, lists and tuples
-    are searched, as :func:`~ups.core.serialize.check_safe` does."""
+    are searched, as :func:`~ups.core.checkpoint.load` does."""
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(obj: Any, path: tuple[str, ...]) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from ups.core import RunContext, structure
-from ups.core.arguments import check_type, choice
+from ups.core.config import check_type, choice
 
 from .plugin import ups_comm_hooks
 
@@ -39,7 +39,7 @@ def register_hook(
         or an instance of its options class; ``None``: the defaults.
     :raises ConfigError: naming the argument: an unknown ``name`` (with the closest one), an
         unknown option or one of the wrong type; for an argument of the wrong type, an
-        :class:`~ups.core.arguments.ArgumentTypeError` (a ``TypeError`` too).
+        :class:`~ups.core.config.ArgumentTypeError` (a ``TypeError`` too).
     """
     records = {record.name: record for record in ups_comm_hooks()}
     record = records[choice("name", name, sorted(records))].loaded()

@@ -5,33 +5,74 @@ a plugin module) does not import torch until something that needs it is used, an
 loop using its parts (:class:`RunContext` and :func:`distributed_session`, :func:`decide`,
 :class:`LossWindow`, :class:`Preemption`, :class:`Watchdog`) never imports the engine (see
 docs/own-loop.md).
+
+Each name lives in the sub-package of its audience (``ups.core.plugin``, ``config``,
+``dist``, ``checkpoint``, ``engine``, ``observe``, ``launch``, ``cli``; ``testing`` for tests),
+which other distributions may import from too (its ``__all__``); the modules beneath them
+(``_name.py``) are private.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .lazy import imported, lazy_exports
-from .structure import above, at_least, structure  # eager: ``structure`` is a module's name too
+from ._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .builtins import SimpleCheckpointOptions, probe_checkpoints
-    from .checkpoint_errors import CheckpointError, DiskFullError, UnsafeCheckpointError
+    from ._lazy import imported, lazy_exports
+    from .checkpoint import (
+        COMMIT_FILE,
+        LATEST_FILE,
+        CheckpointError,
+        CheckpointStorage,
+        Committed,
+        Committing,
+        DiskFullError,
+        FileRecord,
+        FolderStorage,
+        Manifest,
+        SimpleCheckpointer,
+        SimpleCheckpointOptions,
+        UnsafeCheckpointError,
+        check_writable,
+        checksum,
+        dump,
+        expired,
+        fsync_dir,
+        load,
+        probe_checkpoints,
+        write_atomically,
+    )
     from .cli import EXIT_PREEMPTED
-    from .collectives import (
+    from .config import (
+        Config,
+        ConfigError,
+        UsageError,
+        above,
+        at_least,
+        config_from_mapping,
+        did_you_mean,
+        load_config,
+        one_line,
+        one_of,
+        read_config,
+        read_yaml,
+        structure,
+    )
+    from .dist import (
         Agreement,
         Failure,
+        Preemption,
         RankFailedError,
         RankUsageError,
+        RunContext,
+        Watchdog,
         all_mean,
         decide,
+        distributed_session,
         gather_failures,
     )
-    from .commit import COMMIT_FILE, LATEST_FILE, CheckpointStorage, Committed, Committing
-    from .config import Config, config_from_mapping, load_config, read_config, read_yaml
-    from .context import RunContext, distributed_session
-    from .errors import ConfigError, UsageError, did_you_mean, one_line, one_of
-    from .files import check_writable, fsync_dir, write_atomically
+    from .engine import Step, StepError
     from .launch import (
         AGENT_ENV,
         agent_args,
@@ -42,12 +83,8 @@ if TYPE_CHECKING:
         train,
         train_args,
     )
-    from .manifest import Manifest
-    from .markers import hookimpl
-    from .metrics import LossWindow, PendingReport
-    from .plugins import Registry, load_plugins
-    from .preemption import Preemption
-    from .records import (
+    from .observe import LossWindow, PendingReport, read_metrics, write_report
+    from .plugin import (
         TERMINAL,
         CheckpointBackendPlugin,
         Checkpointer,
@@ -61,49 +98,61 @@ if TYPE_CHECKING:
         LaunchRequest,
         Loaded,
         NoOptions,
+        Registry,
         SamplerPlugin,
         SectionPlugin,
         TrainResult,
+        hookimpl,
+        load_plugins,
     )
-    from .report import read_metrics, write_report
-    from .retention import expired
-    from .serialize import FileRecord, checksum, dump, load
-    from .simple_checkpoint import FolderStorage, SimpleCheckpointer
-    from .step import Step, StepError
-    from .watchdog import Watchdog
 
 _EXPORTS = {
-    "CheckpointError": ".checkpoint_errors",
-    "DiskFullError": ".checkpoint_errors",
-    "UnsafeCheckpointError": ".checkpoint_errors",
-    "Agreement": ".collectives",
-    "Failure": ".collectives",
-    "RankFailedError": ".collectives",
-    "RankUsageError": ".collectives",
-    "all_mean": ".collectives",
-    "decide": ".collectives",
-    "gather_failures": ".collectives",
-    "COMMIT_FILE": ".commit",
-    "LATEST_FILE": ".commit",
-    "CheckpointStorage": ".commit",
-    "Committed": ".commit",
-    "Committing": ".commit",
+    "CheckpointError": ".checkpoint",
+    "DiskFullError": ".checkpoint",
+    "UnsafeCheckpointError": ".checkpoint",
+    "COMMIT_FILE": ".checkpoint",
+    "LATEST_FILE": ".checkpoint",
+    "CheckpointStorage": ".checkpoint",
+    "Committed": ".checkpoint",
+    "Committing": ".checkpoint",
+    "check_writable": ".checkpoint",
+    "fsync_dir": ".checkpoint",
+    "write_atomically": ".checkpoint",
+    "expired": ".checkpoint",
+    "FileRecord": ".checkpoint",
+    "checksum": ".checkpoint",
+    "dump": ".checkpoint",
+    "load": ".checkpoint",
+    "SimpleCheckpointOptions": ".checkpoint",
+    "probe_checkpoints": ".checkpoint",
+    "FolderStorage": ".checkpoint",
+    "SimpleCheckpointer": ".checkpoint",
+    "Manifest": ".checkpoint",
+    "Agreement": ".dist",
+    "Failure": ".dist",
+    "RankFailedError": ".dist",
+    "RankUsageError": ".dist",
+    "all_mean": ".dist",
+    "decide": ".dist",
+    "gather_failures": ".dist",
+    "RunContext": ".dist",
+    "distributed_session": ".dist",
+    "Preemption": ".dist",
+    "Watchdog": ".dist",
     "Config": ".config",
     "config_from_mapping": ".config",
     "load_config": ".config",
     "read_config": ".config",
     "read_yaml": ".config",
-    "RunContext": ".context",
-    "distributed_session": ".context",
+    "ConfigError": ".config",
+    "UsageError": ".config",
+    "did_you_mean": ".config",
+    "one_of": ".config",
+    "one_line": ".config",
+    "above": ".config",
+    "at_least": ".config",
+    "structure": ".config",
     "EXIT_PREEMPTED": ".cli",
-    "ConfigError": ".errors",
-    "UsageError": ".errors",
-    "did_you_mean": ".errors",
-    "one_of": ".errors",
-    "one_line": ".errors",
-    "check_writable": ".files",
-    "fsync_dir": ".files",
-    "write_atomically": ".files",
     "AGENT_ENV": ".launch",
     "agent_args": ".launch",
     "agent_exports": ".launch",
@@ -112,45 +161,35 @@ _EXPORTS = {
     "run_processes": ".launch",
     "train": ".launch",
     "train_args": ".launch",
-    "hookimpl": ".markers",
-    "LossWindow": ".metrics",
-    "PendingReport": ".metrics",
-    "Preemption": ".preemption",
-    "Watchdog": ".watchdog",
-    "Registry": ".plugins",
-    "load_plugins": ".plugins",
-    "CheckpointBackendPlugin": ".records",
-    "Checkpointer": ".records",
-    "CheckpointFactory": ".records",
-    "CheckpointProbe": ".records",
-    "CommHookPlugin": ".records",
-    "CommandPlugin": ".records",
-    "JobState": ".records",
-    "LaunchRequest": ".records",
-    "Launcher": ".records",
-    "LauncherPlugin": ".records",
-    "Loaded": ".records",
-    "NoOptions": ".records",
-    "SamplerPlugin": ".records",
-    "SectionPlugin": ".records",
-    "TERMINAL": ".records",
-    "TrainResult": ".records",
-    "read_metrics": ".report",
-    "write_report": ".report",
-    "expired": ".retention",
-    "FileRecord": ".serialize",
-    "checksum": ".serialize",
-    "dump": ".serialize",
-    "load": ".serialize",
-    "SimpleCheckpointOptions": ".builtins",
-    "probe_checkpoints": ".builtins",
-    "FolderStorage": ".simple_checkpoint",
-    "SimpleCheckpointer": ".simple_checkpoint",
-    "Manifest": ".manifest",
-    "Step": ".step",
-    "StepError": ".step",
+    "hookimpl": ".plugin",
+    "Registry": ".plugin",
+    "load_plugins": ".plugin",
+    "CheckpointBackendPlugin": ".plugin",
+    "Checkpointer": ".plugin",
+    "CheckpointFactory": ".plugin",
+    "CheckpointProbe": ".plugin",
+    "CommHookPlugin": ".plugin",
+    "CommandPlugin": ".plugin",
+    "JobState": ".plugin",
+    "LaunchRequest": ".plugin",
+    "Launcher": ".plugin",
+    "LauncherPlugin": ".plugin",
+    "Loaded": ".plugin",
+    "NoOptions": ".plugin",
+    "SamplerPlugin": ".plugin",
+    "SectionPlugin": ".plugin",
+    "TERMINAL": ".plugin",
+    "TrainResult": ".plugin",
+    "LossWindow": ".observe",
+    "PendingReport": ".observe",
+    "read_metrics": ".observe",
+    "write_report": ".observe",
+    "Step": ".engine",
+    "StepError": ".engine",
+    "imported": "._lazy",
+    "lazy_exports": "._lazy",
 }
-"""Each public name and the module of this package that defines it."""
+"""Each public name and the sub-package that exports it."""
 
 __all__ = [
     "AGENT_ENV",

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from ups.core.arguments import boolean, integer
+from ups.core.config import boolean, integer
 
 INT32_MAX = torch.iinfo(torch.int32).max
 

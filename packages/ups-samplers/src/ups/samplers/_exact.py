@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from ups.core import RunContext
-from ups.core.arguments import boolean, check_type
+from ups.core.config import boolean, check_type
 
 from ._epoch import SIZED, EpochSampler, index_dtype, seeded
 

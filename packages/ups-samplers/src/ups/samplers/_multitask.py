@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import ConcatDataset
 
 from ups.core import ConfigError, RunContext
-from ups.core.arguments import (
+from ups.core.config import (
     ArgumentValueError,
     boolean,
     check_type,

@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from ups.core import RunContext
-from ups.core.arguments import boolean, check_type, choice
+from ups.core.config import boolean, check_type, choice
 
 from ._epoch import SIZED, EpochSampler, Lookup, index_dtype, positions
 from ._permute import shuffled

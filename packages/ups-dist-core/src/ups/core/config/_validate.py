@@ -1,0 +1,282 @@
+"""Checks of a config against the plugins installed and the rules of sound DDP training.
+
+Errors raise :class:`~ups.core.config._errors.ConfigError`; advice comes back as warnings. Checking
+imports torch only where a check needs it (``ups validate`` of a config whose factories import
+no torch answers without it): for CUDA with ``fp16`` or ``nccl``, for an optimizer or
+scheduler name that :data:`TORCH_NAMES` lacks, and through the modules the config names.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ..checkpoint._files import check_writable
+from ..engine._schedule import schedule_warnings
+from ..engine._step import build_step
+from ..plugin._manager import Registry
+from ..plugin._records import SamplerPlugin
+from ._config import Config, LoaderConfig, PluginChoice
+from ._errors import ConfigError
+from ._user_code import load_object
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+MIN_GLOBAL_BATCH = 16
+"""Below this many samples per optimizer step over all ranks, gradients are mostly noise."""
+TORCH_NAMES = {
+    "training.optimizer": frozenset(
+        [
+            "adadelta",
+            "adafactor",
+            "adagrad",
+            "adam",
+            "adamax",
+            "adamw",
+            "asgd",
+            "lbfgs",
+            "muon",
+            "nadam",
+            "radam",
+            "rmsprop",
+            "rprop",
+            "sgd",
+            "sparseadam",
+        ]
+    ),
+    "training.scheduler": frozenset(
+        [
+            "chainedscheduler",
+            "constantlr",
+            "cosineannealinglr",
+            "cosineannealingwarmrestarts",
+            "cycliclr",
+            "exponentiallr",
+            "lambdalr",
+            "linearlr",
+            "multiplicativelr",
+            "multisteplr",
+            "onecyclelr",
+            "polynomiallr",
+            "reducelronplateau",
+            "sequentiallr",
+            "steplr",
+        ]
+    ),
+}
+"""torch's optimizer and scheduler names as :mod:`ups.core.engine._optim` finds them in the torch that
+CI pins (a test compares them), by the config key that names one."""
+
+
+def validate(config: Config, registry: Registry, nproc: int | None = None) -> list[str]:
+    """Check everything that can be checked without training; return warnings.
+
+    Imports the model and data factories, checks every plugin section's name and options,
+    probes that the run's folder and the checkpoint backend's place can be written (a file
+    or object made and removed: nothing is left, no folder made), and applies seed 001's
+    rules for multi-process and multi-task runs.
+
+    :param nproc: processes per machine if it differs from ``distributed.nproc`` (``--nproc``).
+    :raises ConfigError: at the first key whose value cannot work.
+    """
+    load_object(config.model.factory, "model.factory")
+    load_object(config.data.factory, "data.factory")
+    if config.eval is not None:
+        load_object(config.eval.factory, "eval.factory")
+    build_step(config)
+    check_loader(config.data.loader)
+    # The plugins' options only: their factories' modules are imported by the run.
+    sampler, _ = select_sampler(registry, config.sampler, "sampler", exact=False, factory=False)
+    if config.eval is not None:
+        select_sampler(registry, config.eval.sampler, "eval.sampler", exact=True, factory=False)
+    comm, ckpt, launch = config.comm_hook, config.checkpoint, config.launch
+    registry.select("comm_hook", comm.name, comm.options, "comm_hook", factory=False)
+    backend, ckpt_options = registry.select(
+        "checkpoint", ckpt.name, ckpt.options, "checkpoint", factory=False
+    )
+    if launch.name is not None:
+        registry.select("launcher", launch.name, launch.options, "launch", factory=False)
+    registry.check_sections(config)
+
+    t = config.training
+    check_name(t.optimizer, "training.optimizer")
+    if t.scheduler is not None:
+        check_name(t.scheduler, "training.scheduler")
+    if t.precision == "fp16" and not _cuda_devices():
+        raise ConfigError(
+            "training.precision",
+            "'fp16' needs CUDA (its gradient scaler runs there) and this machine has none; "
+            "allowed here: fp32, bf16",
+        )
+
+    check_writable(config.run_dir, "run.output_dir", "the run's folder")
+    if backend.probe is not None:
+        backend.probe(directory=config.run_dir, options=ckpt_options)
+    nproc = config.distributed.nproc if nproc is None else nproc
+    if config.distributed.backend == "nccl" and (devices := _cuda_devices()) < nproc:
+        raise ConfigError(
+            "distributed.backend",
+            f"'nccl' needs a CUDA device per process; this machine has {devices} "
+            f"for {nproc} processes; allowed here: auto, gloo",
+        )
+    check_sync_batchnorm(config, nproc)
+    if config.eval is None or config.eval.every_steps is None:
+        for i, rule in enumerate(config.schedule):
+            if rule.when.val_loss_below is not None:
+                raise ConfigError(
+                    f"schedule[{i}].when.val_loss_below",
+                    "needs an evaluation loss during training, and this run evaluates at the "
+                    "end only, if at all; set eval.every_steps, or use at_latest_step",
+                )
+    warnings = schedule_warnings(config.schedule, max_steps=t.max_steps)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and nproc > cores:
+        warnings.append(
+            f"distributed.nproc: {nproc} processes on {cores} CPU cores oversubscribe them: the "
+            f"ranks slow each other down; at most {cores} on this machine"
+        )
+    if nproc > 1 and len(config.data.tasks) > 1 and not sampler.multi_task:
+        warnings.append(
+            f"sampler.name: {config.sampler.name!r} treats the {len(config.data.tasks)} tasks of "
+            "data.tasks as one flat list, so ranks see unbalanced task mixes; choose a sampler "
+            "that balances tasks (its plugin declares multi_task=True)"
+        )
+    if not sampler.world_invariant:
+        warnings.append(
+            f"sampler.name: {config.sampler.name!r} does not declare that its global batch is "
+            "the same on any number of ranks (world_invariant), so W ranks of batch b need not "
+            "train as one process of batch W*b (`ups check` tells); torch, tensor and "
+            "multitask keep it"
+        )
+    global_batch = config.training.batch_size * nproc
+    if nproc > 1 and global_batch < MIN_GLOBAL_BATCH:
+        warnings.append(
+            f"training.batch_size: {config.training.batch_size} per rank x {nproc} ranks = "
+            f"{global_batch} samples per step, under {MIN_GLOBAL_BATCH}"
+        )
+    if nproc == 1 and config.comm_hook.name != "none":
+        warnings.append(f"comm_hook.name: {config.comm_hook.name!r} has no effect on one process")
+    return warnings
+
+
+def check_name(name: str, key: str) -> None:
+    """Check the optimizer or scheduler name at ``key`` (``training.optimizer`` or
+    ``training.scheduler``) as building it will resolve it; a name of :data:`TORCH_NAMES`
+    passes without importing torch, unless torch is imported already (a torch older than CI's
+    that lacks it then fails when the run builds it).
+
+    :raises ConfigError: naming ``key``, the names allowed and the nearest one.
+    """
+    if ":" not in name and name.lower() in TORCH_NAMES[key] and "torch" not in sys.modules:
+        return
+    from ..engine._optim import OPTIMIZERS, SCHEDULERS, resolve
+
+    resolve(name, OPTIMIZERS if key == "training.optimizer" else SCHEDULERS, key)
+
+
+def check_sync_batchnorm(config: Config, nproc: int) -> None:
+    """Refuse ``distributed.sync_batchnorm`` where a rank would compute on the CPU, whose
+    DDP refuses SyncBatchNorm layers: with ``gloo`` chosen, or fewer CUDA devices than the
+    ``nproc`` processes of this machine (``auto`` gives those beyond them the CPU). One
+    process without a process group (``distributed.enabled`` not ``true``) converts nothing,
+    so nothing is refused.
+
+    :raises ConfigError: naming ``distributed.sync_batchnorm``, and what is allowed here.
+    """
+    d = config.distributed
+    if not d.sync_batchnorm or d.enabled is False or (nproc == 1 and d.enabled is not True):
+        return
+    devices = 0 if d.backend == "gloo" else _cuda_devices()
+    if devices < nproc:
+        where = (
+            "distributed.backend 'gloo' puts every rank"
+            if d.backend == "gloo"
+            else f"this machine has {devices} CUDA devices for {nproc} processes, which puts ranks"
+        )
+        raise ConfigError(
+            "distributed.sync_batchnorm",
+            f"SyncBatchNorm runs on CUDA only (DDP refuses it on the CPU), and {where} on the "
+            "CPU; allowed here: false (GroupNorm or LayerNorm normalise alike on any number "
+            "of ranks)",
+        )
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def check_loader(options: LoaderConfig) -> None:
+    """Refuse loader options that cannot work together.
+
+    :raises ConfigError: naming the ``data.loader`` key.
+    """
+    if options.num_workers == 0:
+        for key in ("prefetch_factor", "persistent_workers", "multiprocessing_context"):
+            if getattr(options, key) not in (None, False):
+                raise ConfigError(
+                    f"data.loader.{key}", "needs worker processes; set data.loader.num_workers > 0"
+                )
+    if options.collate is not None:
+        load_object(options.collate, "data.loader.collate")
+
+
+def check_data(
+    config: Config, train: DataLoader[Any], evaluation: DataLoader[Any] | None, world_size: int
+) -> None:
+    """Refuse data that the run cannot use, once the engine has built its loaders: a training
+    set that gives this rank no batch, so no step (empty, or fewer samples than ranks with a
+    sampler that drops the rest), and an empty evaluation set. The samplers deal every rank
+    as many training batches, so every rank refuses alike.
+
+    :raises ConfigError: naming ``data.factory`` or ``eval.factory``, the samples it gave and
+        how many would do.
+    """
+    samples = len(train.dataset)  # type: ignore[arg-type]
+    if len(train) == 0:
+        allowed = "at least 1 sample"
+        if world_size > 1:
+            allowed += f", and {world_size} (one per rank) for a sampler that drops the rest"
+        raise ConfigError(
+            "data.factory",
+            f"returned {samples} samples, of which the {config.sampler.name!r} sampler deals no "
+            f"batch to this rank (of {world_size}): the run would take no step; allowed: "
+            f"{allowed}",
+        )
+    if evaluation is not None and len(evaluation.dataset) == 0:  # type: ignore[arg-type]
+        raise ConfigError(
+            "eval.factory", "returned 0 samples: nothing to evaluate; allowed: at least 1 sample"
+        )
+
+
+def select_sampler(
+    registry: Registry, choice: PluginChoice, key: str, *, exact: bool, factory: bool = True
+) -> tuple[SamplerPlugin, Any]:
+    """The sampler plugin ``choice`` names and its options, for training (``exact=False``:
+    every rank the same number of samples) or for evaluation (``exact=True``: every sample
+    once); with ``factory=False``, its factory not imported (:meth:`Registry.get`).
+
+    :raises ConfigError: naming ``key``, for an unknown sampler or one of the other kind.
+    """
+    fits = sorted(
+        name
+        for name, provided in registry.records("sampler").items()
+        if isinstance(provided.record, SamplerPlugin) and provided.record.exact == exact
+    )
+    registry.get("sampler", choice.name, f"{key}.name", offer=fits, factory=False)  # unknown?
+    record, options = registry.select("sampler", choice.name, choice.options, key, factory=factory)
+    if record.exact != exact:
+        kind = (
+            "gives every sample to one rank, so ranks may take different numbers of steps"
+            if record.exact
+            else "pads the ranks' shares to one length, so some samples would count twice"
+        )
+        raise ConfigError(
+            f"{key}.name",
+            f"{choice.name!r} {kind}; allowed for {'evaluation' if exact else 'training'}: "
+            + ", ".join(fits),
+        )
+    return record, options

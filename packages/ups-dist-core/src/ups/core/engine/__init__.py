@@ -1,0 +1,48 @@
+"""The training run, for the Python API and for steps of one's own: ``train`` runs a config's
+training on this rank (the ranks' side of ``ups.core.train``), over the parts the config builds;
+``Step`` is the contract a model's step follows; batches of any structure move with
+``to_device``; a ``Schedule`` of rules (``Rule``) changes training at a step every rank agrees on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ._batches import BatchError, batch_size, tensors, to_device
+    from ._run import train
+    from ._schedule import Action, Rule, Schedule, Trigger
+    from ._step import Step, StepError
+
+_EXPORTS = {
+    "train": "._run",
+    "Step": "._step",
+    "StepError": "._step",
+    "BatchError": "._batches",
+    "batch_size": "._batches",
+    "tensors": "._batches",
+    "to_device": "._batches",
+    "Action": "._schedule",
+    "Rule": "._schedule",
+    "Schedule": "._schedule",
+    "Trigger": "._schedule",
+}
+"""Each public name and the module that defines it."""
+
+__all__ = [
+    "Action",
+    "batch_size",
+    "BatchError",
+    "Rule",
+    "Schedule",
+    "Step",
+    "StepError",
+    "tensors",
+    "to_device",
+    "train",
+    "Trigger",
+]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,138 @@
+"""Injectable faults: make a chosen rank fail at a chosen step, to test and rehearse recovery.
+
+Set ``UPS_FAULTS`` in the environment of the ranks (every process a launcher starts inherits
+it), as ``;``-separated ``KIND@RANK:STEP[,STEP...]`` items::
+
+    UPS_FAULTS="oom@1:3;error@0:7,8;kill_save@1:6;kill_backward@0:4"
+
+``oom`` raises :class:`torch.OutOfMemoryError` as CUDA does when memory runs out; ``error``
+raises :class:`RuntimeError`; ``kill`` sends the rank SIGKILL (as ``kill -9`` or the kernel's
+out-of-memory killer would); ``hang`` sleeps forever (a rank that stops answering). These fire
+once, in the first forward pass of the model (inside DDP's forward, where real out-of-memory
+errors happen) of the ``STEP``-th optimizer step the rank attempts, counting from 1, skipped steps
+included. ``kill_backward`` sends the rank SIGKILL later in that step, inside its backward pass,
+once the first module's backward is done (for a model whose gradients fill one DDP bucket,
+before their all-reduce starts). ``kill_save`` sends the rank SIGKILL inside the checkpoint
+save of optimizer step ``STEP``, at its first ``os.fsync`` there: its file written, the
+checkpoint not committed. A fault that fires logs ``fault injected`` (its kind and step) first.
+
+Faults fire in the workers' first start only: a job its launcher restarted
+(:attr:`~ups.core.dist._context.RunContext.restart_count` above 0) runs without them. This is a testing
+hook, for rehearsing recovery; never set it in production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import attrs
+import structlog
+import torch
+
+from ..config._errors import UsageError
+
+log = structlog.get_logger()
+
+ENV = "UPS_FAULTS"
+Kind = Literal["oom", "error", "kill", "hang", "kill_backward", "kill_save"]
+KINDS: tuple[Kind, ...] = ("oom", "error", "kill", "hang", "kill_backward", "kill_save")
+
+
+@attrs.frozen
+class Fault:
+    """One injected failure: ``kind`` on ``rank`` at each of ``steps``."""
+
+    kind: Kind
+    rank: int
+    steps: frozenset[int]
+
+
+def parse_faults(text: str) -> tuple[Fault, ...]:
+    """Parse a ``UPS_FAULTS`` value.
+
+    :raises UsageError: naming the item that is not ``KIND@RANK:STEP[,STEP...]``.
+    """
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        kind, _, rest = item.partition("@")
+        rank, _, steps = rest.partition(":")
+        try:
+            if kind not in KINDS:
+                raise ValueError
+            fault = Fault(kind, int(rank), frozenset(int(s) for s in steps.split(",")))
+        except ValueError:
+            raise UsageError(
+                f"{ENV}: bad item {item!r}; expected KIND@RANK:STEP[,STEP...] with KIND one of "
+                f"{', '.join(KINDS)}, e.g. oom@1:3,4"
+            ) from None
+        faults.append(fault)
+    return tuple(faults)
+
+
+class FaultInjector:
+    """This rank's share of the faults ``UPS_FAULTS`` asks for (none after a restart)."""
+
+    def __init__(
+        self, rank: int, env: Mapping[str, str] = os.environ, *, restart_count: int = 0
+    ) -> None:
+        self.rank = rank
+        faults = parse_faults(env.get(ENV, "")) if restart_count == 0 else ()
+        self._faults = [f for f in faults if f.rank == rank]
+        self._fired: set[int] = set()
+
+    def __bool__(self) -> bool:
+        """Whether any fault is meant for this rank."""
+        return bool(self._faults)
+
+    def check(self, step: int) -> None:
+        """Fire the fault meant for this rank's ``step``-th attempted step (raise, SIGKILL this
+        process, sleep forever, or have the step's backward pass SIGKILL it), the first time it
+        is called for that step."""
+        if step in self._fired:
+            return
+        for fault in self._faults:
+            if step in fault.steps and fault.kind != "kill_save":
+                self._fired.add(step)
+                log.warning("fault injected", kind=fault.kind, step=step)
+                where = f"injected by {ENV} on rank {self.rank} at step {step}"
+                if fault.kind == "oom":
+                    raise torch.OutOfMemoryError(f"CUDA out of memory ({where})")
+                if fault.kind == "kill":
+                    _kill()
+                if fault.kind == "kill_backward":  # hooks the modules this forward pass calls
+                    torch.nn.modules.module.register_module_full_backward_hook(lambda *_: _kill())
+                    return
+                while fault.kind == "hang":
+                    time.sleep(3600)
+                raise RuntimeError(f"injected error ({where})")
+
+    @contextlib.contextmanager
+    def saving(self, step: int) -> Iterator[None]:
+        """Around the checkpoint save of optimizer step ``step``: with a ``kill_save`` fault for
+        it, the rank SIGKILLs itself right after its first ``os.fsync`` in the save (its file
+        written, the checkpoint not committed; a rank that writes nothing is not killed)."""
+        if not any(f.kind == "kill_save" and step in f.steps for f in self._faults):
+            yield
+            return
+        fsync = os.fsync
+
+        def killing_fsync(fd: Any) -> None:
+            fsync(fd)
+            log.warning("fault injected", kind="kill_save", step=step)
+            _kill()
+
+        os.fsync = killing_fsync
+        try:
+            yield
+        finally:
+            os.fsync = fsync
+
+
+def _kill() -> None:
+    """SIGKILL this process."""
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,453 @@
+"""The training run: the epoch loop over the parts the config builds.
+
+The parts a newcomer reads alone: :mod:`~ups.core.engine._parts` (what the config builds: model, data,
+DDP, optimizer, checkpoint backend), :mod:`~ups.core.engine._step` (the user's step contract),
+:mod:`~ups.core.engine._loader` (the data pipeline), :mod:`~ups.core.engine._update` (one optimizer step:
+forward, loss, accumulation, AMP, clipping, failures agreed), :mod:`~ups.core.observe._reporter`
+(metrics over the ranks), :mod:`~ups.core.engine._resume` (checkpoints saved and resumed). This module
+runs the loop, which owns where the run stands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import structlog
+from pluggy import HookRelay
+
+from ..config._config import Config
+from ..dist._collectives import all_max
+from ..dist._context import RunContext
+from ..dist._desync import check_in_sync
+from ..dist._preemption import Preemption
+from ..dist._rng import seed_all, set_rng_state
+from ..dist._watchdog import Watchdog
+from ..observe._logs import rank_log_file
+from ..observe._metrics import LossWindow
+from ..observe._profiling import StepProfiler, comm_profile, model_counts
+from ..observe._reporter import Reporter
+from ..observe._step_metrics import UserMetrics
+from ..plugin._manager import Registry
+from ..plugin._records import TrainResult
+from ._evaluation import evaluate
+from ._faults import FaultInjector
+from ._loader import Epoch, StepBatches
+from ._parts import Parts, build_parts, run_loader
+from ._resume import Position, Resumed, TrainingState
+from ._rundir import RunFiles, own_run_dir
+from ._schedule import Schedule, apply_lr_multiplier
+from ._step import has_metrics
+from ._update import Forward, Stepper
+
+log = structlog.get_logger()
+
+
+def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
+    """Train the configured model on this rank; every rank of the job calls this together."""
+    hook = registry.manager.hook
+    # The run's folder and this rank's log file stay open for ups_error and ups_run_end too:
+    # what a plugin logs there is in logs/rank<r>.jsonl like the rest of the run.
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(own_run_dir(config, ctx))
+            held.enter_context(rank_log_file(ctx, config.run_dir))
+            run = Run(config, ctx, registry)
+            try:
+                result = run.train()
+            finally:
+                run.reporter.files.close()
+        except BaseException as error:
+            hook.ups_error(ctx=ctx, error=error)
+            raise
+        hook.ups_run_end(ctx=ctx, result=result)
+    return result
+
+
+@attrs.frozen
+class Stepping:
+    """What takes the run's optimizer steps on its parts, and what it counts them into."""
+
+    forward: Forward
+    stepper: Stepper
+    window: LossWindow
+    metrics: UserMetrics
+
+
+def stepping(config: Config, ctx: RunContext, parts: Parts, watchdog: Watchdog) -> Stepping:
+    """The forward pass and the stepper over ``parts``, the loss window and the user's metrics
+    they count into (the run's, and ``ups tune``'s trial steps)."""
+    window = LossWindow(config.data.tasks, ctx.device)
+    reduce = config.metrics.reduce if config.metrics is not None else {}
+    metrics_key = "metrics.factory" if config.metrics and config.metrics.factory else None
+    metrics = UserMetrics(
+        reduce,
+        window.tasks,
+        ctx.device,
+        metrics_key or "step.metrics",
+        measured=has_metrics(parts.step),
+    )
+    forward = Forward(
+        parts.step,
+        ctx,
+        config.training.precision,
+        metrics,
+        watchdog,
+        pinned=bool(parts.loader.pin_memory),
+        per_task=len(window.tasks) > 1,
+    )
+    stepper = Stepper(
+        ctx=ctx,
+        training=config.training,
+        model=parts.model,
+        ddp=parts.ddp,
+        forward=forward,
+        optimizer=parts.optimizer,
+        scheduler=parts.scheduler,
+        watchdog=watchdog,
+        even=parts.even,
+    )
+    return Stepping(forward, stepper, window, metrics)
+
+
+class Run:
+    """One rank's training run: the parts its config builds (:mod:`~ups.core.engine._parts`), and the
+    epoch loop over them, which owns where the run stands (:attr:`position`). :func:`train` is
+    how to use it."""
+
+    def __init__(self, config: Config, ctx: RunContext, registry: Registry) -> None:
+        self.config, self.ctx = config, ctx
+        self.hook: HookRelay = registry.manager.hook
+        t = config.training
+        seed_all(config.run.seed)
+        self.schedule = Schedule(
+            config.schedule, batch_size=t.batch_size, accumulation_steps=t.accumulation_steps
+        )
+        self.parts = parts = build_parts(config, ctx, registry, batch_size=self.schedule.batch_size)
+        apply_lr_multiplier(parts.optimizer, self.schedule.lr_multiplier, parts.scheduler)
+        self.loader = parts.loader
+        """The training data's loader, built anew when the schedule changes the batch size."""
+        self.restarted = all_max(ctx, ctx.restart_count)
+        """How many times the launcher restarted the job (the largest count of any rank: a
+        node that joined afresh counts from 0)."""
+        self.watchdog = Watchdog(ctx, key=str(self.restarted))
+        steps = stepping(config, ctx, parts, self.watchdog)
+        self.forward, self.stepper, self.metrics = steps.forward, steps.stepper, steps.metrics
+        self.state = self._training_state(self._faults())
+        self.reporter = self._reporter(steps)
+        profile = config.run.profile_steps
+        self.profiler = StepProfiler(ctx, config.run_dir, profile) if profile else None
+        self.position = Position(step=0, epoch=0)
+        self.evaluated_at = -1
+        self._grad_norm = float("nan")
+        self._location: str | None = None
+        self._saved_at = -1
+        self._resumed: Resumed | None = None
+        signals = (signal.Signals[name] for name in config.checkpoint.preempt_signals)
+        self.preemption = Preemption(ctx, signals)
+
+    def _reporter(self, steps: Stepping) -> Reporter:
+        """What reports the run's metrics, every ``run.log_every`` steps and at evaluations."""
+        flops_per_sample, tokens_per_sample = model_counts(self.parts.model)
+        return Reporter(
+            self.config,
+            self.ctx,
+            self.hook,
+            RunFiles(self.config, self.ctx),
+            window=steps.window,
+            metrics=steps.metrics,
+            flops_per_sample=flops_per_sample,
+            tokens_per_sample=tokens_per_sample,
+        )
+
+    def _faults(self) -> FaultInjector:
+        """The faults ``UPS_FAULTS`` injects into this rank (tests of failure paths): checked
+        in the model's forward, inside DDP's, after its own collectives."""
+        faults = FaultInjector(self.ctx.rank, restart_count=self.restarted)
+        if faults:
+            stepper = self.stepper
+            self.parts.model.register_forward_pre_hook(lambda *_: faults.check(stepper.attempts))
+        return faults
+
+    def _training_state(self, faults: FaultInjector) -> TrainingState:
+        """What a checkpoint saves and a resume restores."""
+        parts = self.parts
+        assert parts.checkpointer is not None  # built to train
+        return TrainingState(
+            config=self.config,
+            ctx=self.ctx,
+            hook=self.hook,
+            model=parts.model,
+            optimizer=parts.optimizer,
+            scheduler=parts.scheduler,
+            scaler=self.stepper.scaler,
+            schedule=self.schedule,
+            sampler=parts.sampler,
+            dataset=parts.dataset,
+            checkpointer=parts.checkpointer,
+            comm_state=parts.comm_state,
+            faults=faults,
+        )
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        return self.position.step
+
+    def train(self) -> TrainResult:
+        """Train: resume if the config or a restart says so, loop until the data,
+        ``max_steps``, the schedule or a preemption ends it, then evaluate and save the last
+        step; what the run did."""
+        self.hook.ups_run_start(ctx=self.ctx, config=self.config)
+        self._log_start()
+        if self.config.checkpoint.resume == "latest" or self.restarted:
+            self._resume()
+        check_in_sync(self.ctx, self.config.digest(), self.step, self.parts.model)
+        if self._resumed is not None and not self._steps_left():
+            return self._complete()
+        self.parts.ddp.train()
+        self.reporter.restart_clock(self.step)
+        with self.watchdog:  # the loop, then the last evaluation and save: a stuck rank is named
+            with (
+                self.profiler or contextlib.nullcontext(),
+                self.reporter.showing_progress(self._total_steps()),
+                self.preemption,
+            ):
+                self._loop()
+            preempted = self.preemption.stopped
+            self._finish(preempted)
+        if preempted:
+            self.reporter.files.preempted(self.step)
+        return self._result(preempted)
+
+    def _log_start(self) -> None:
+        t, ctx = self.config.training, self.ctx
+        log.info(
+            "training",
+            world_size=ctx.world_size,
+            backend=ctx.backend,
+            device=str(ctx.device),
+            samples=len(self.parts.dataset),
+            epochs=t.epochs,
+            precision=t.precision,
+            batch_size=self.schedule.batch_size,
+            accumulation_steps=self.schedule.accumulation_steps,
+        )
+
+    def _resume(self) -> None:
+        """Go on from the newest checkpoint, if there is one: its position, and its
+        generators unless the loop restores them where it re-enters the epoch."""
+        if self.restarted and self.ctx.is_main:
+            log.info("restarted by the launcher: resuming", restarts=self.restarted)
+        self._resumed = self.state.resume()
+        if self._resumed is not None:
+            self.position = self._resumed.position
+            self._saved_at = self.step
+            if not self.position.epoch_left:
+                set_rng_state(self._resumed.rng, self.ctx.device)
+
+    def _finish(self, preempted: bool) -> None:
+        """After the loop: report the steps since the last report, evaluate the last step
+        (unless preempted), save it if it is not saved, and wait for the saves."""
+        if self.step % self.config.run.log_every:
+            self.reporter.start(self.step, self.position.epoch, self._extra)
+        self.reporter.finish(self.step)
+        evaluates = self.parts.eval_loader is not None and not preempted
+        if evaluates and self.evaluated_at != self.step:
+            self._evaluate()
+        if self._saved_at != self.step:
+            self._checkpoint()
+        assert self.parts.checkpointer is not None  # built to train
+        self.parts.checkpointer.wait()
+
+    def _result(self, preempted: bool) -> TrainResult:
+        reports = self.reporter.reports
+        losses = tuple(r["loss"] for r in reports)
+        log.info(
+            "done",
+            steps=self.step,
+            epochs=self.position.epoch,
+            loss=round(losses[-1], 6) if losses else None,
+        )
+        return TrainResult(
+            steps=self.step,
+            epochs=self.position.epoch,
+            losses=losses,
+            checkpoint=self._location,
+            metrics=tuple(reports),
+            eval_metrics=tuple(self.reporter.eval_reports),
+            preempted=preempted,
+        )
+
+    def _steps_left(self) -> bool:
+        """Whether the loop has a step to take: ``max_steps``, the schedule and the epochs
+        leave one (an epoch resumed mid-way counts as not started)."""
+        return self._more_steps() and self.position.epoch < self.config.training.epochs
+
+    def _complete(self) -> TrainResult:
+        """A run resumed where it had ended (restarted after its final save, or run again):
+        nothing to train, evaluate or save; say so."""
+        resumed = self._resumed
+        assert resumed is not None
+        log.info(f"the run is complete at step {self.step}: nothing left to train", step=self.step)
+        return TrainResult(
+            steps=self.step, epochs=self.position.epoch, losses=(), checkpoint=resumed.location
+        )
+
+    def _loop(self) -> None:
+        """The epochs and their steps, until the data, ``max_steps`` or the schedule ends them."""
+        while self._steps_left():
+            if self.loader.batch_sampler.batch_size != self.schedule.batch_size:  # type: ignore[union-attr]
+                # a scheduled batch size, from this epoch on
+                parts = self.parts
+                size = self.schedule.batch_size
+                self.loader = run_loader(self.config, self.ctx, parts.dataset, parts.sampler, size)
+            if hasattr(self.parts.sampler, "set_epoch"):
+                self.parts.sampler.set_epoch(self.position.epoch)
+            batches = self._enter_epoch()
+            left = batches.length
+            while left and self._more_steps():
+                group = min(self.schedule.accumulation_steps, left)
+                left -= group
+                taken = self.stepper.step(self.step + 1, batches, group)
+                self._at(batches, left, taken=taken is not None)
+                if taken is None:
+                    continue  # every rank skipped the batch
+                self._grad_norm, micro_batches = taken
+                for counted in micro_batches:
+                    counted.count(self.reporter.window, self.metrics)
+                if self._after_step():
+                    return
+            if not left:
+                batches.end()  # a sampler longer than its len() is told of
+
+    def _enter_epoch(self) -> Epoch:
+        """Start the next epoch's pass over the loader; after a resume mid-epoch, go on where
+        it stopped: from the sampler's state, or skipping the taken batches unread. Then the
+        generators as they were."""
+        batches = self.loader.batch_sampler
+        assert isinstance(batches, StepBatches)
+        epoch = self.position.epoch
+        resumed, self._resumed = self._resumed, None
+        taken = resumed.position.epoch_taken if resumed and resumed.position.epoch_left else 0
+        if resumed is not None and resumed.replay:
+            batches.start(epoch, skip=taken)
+        else:
+            batches.start(epoch, first=taken)
+        passing = Epoch(self.loader)
+        if resumed is not None and resumed.position.epoch_left:
+            set_rng_state(resumed.rng, self.ctx.device)
+        self.position = attrs.evolve(
+            self.position, epoch=epoch + 1, epoch_left=passing.length, epoch_taken=passing.taken
+        )
+        return passing
+
+    def _at(self, batches: Epoch, left: int, *, taken: bool) -> None:
+        """Note where the run stands after a step (``taken``: one more optimizer step, else
+        skipped): batches of the epoch left and taken, the sampler's state as of the last
+        batch taken."""
+        self.position = Position(  # not attrs.evolve: a third of the cost, at every step
+            step=self.step + taken,
+            epoch=self.position.epoch,
+            epoch_left=left,
+            epoch_taken=batches.taken,
+            sampler=batches.sampler_state,
+        )
+
+    def _after_step(self) -> bool:
+        """Report, profile, evaluate, decide, checkpoint and check, as the config says at this
+        step; whether a preemption stops the run here."""
+        ctx, reporter = self.ctx, self.reporter
+        reporter.step_taken(self.step)
+        if self.step % self.config.run.log_every == 0:
+            reporter.start(self.step, self.position.epoch, self._extra)
+        if self.profiler is not None:
+            self._profile_step(self.profiler)
+        decision = self.schedule.decide(ctx, self.step, self._maybe_evaluate())
+        if decision is not None and decision.lr_multiplier is not None:
+            apply_lr_multiplier(self.parts.optimizer, decision.lr_multiplier, self.parts.scheduler)
+        every = self.config.checkpoint.every_steps
+        if (every and self.step % every == 0) or (decision and decision.save):
+            self._checkpoint()
+        check = self.config.distributed.desync_check_every
+        if check and self.step % check == 0:
+            check_in_sync(ctx, self.config.digest(), self.step, self.parts.model)
+        if self.preemption.agreed():
+            log.warning("preempted: saving and stopping", step=self.step)
+            return True
+        return False
+
+    def _extra(self, steps: int) -> dict[str, float]:
+        """What a report knows at its step besides the aggregated window (``steps``: since
+        the report before)."""
+        extra = {
+            "lr": self.stepper.optimizer.param_groups[0]["lr"],
+            "oom_skipped": self.stepper.oom_skipped,
+        }
+        extra |= self.parts.comm.metrics(steps)
+        if not math.isnan(self._grad_norm):
+            extra["grad_norm"] = self._grad_norm
+        return extra
+
+    def _checkpoint(self) -> None:
+        self.reporter.check_finite(self.step)
+        self._location, self._saved_at = self.state.save(self.position), self.step
+
+    def _maybe_evaluate(self) -> float | None:
+        """Evaluate if this step is an evaluation step; return the loss (the same on every
+        rank), or ``None``. Whether to evaluate depends on the step alone: every rank agrees."""
+        every = self.config.eval.every_steps if self.config.eval else None
+        if every and self.step % every == 0:
+            return self._evaluate()["loss"]
+        return None
+
+    def _evaluate(self) -> dict[str, float]:
+        loader = self.parts.eval_loader
+        assert loader is not None
+        shards = loader.batch_sampler.sampler  # type: ignore[union-attr]
+        if hasattr(shards, "set_epoch"):  # a new order each evaluation, for one that shuffles
+            shards.set_epoch(len(self.reporter.eval_reports))
+        reduce = self.config.metrics.reduce if self.config.metrics else {}
+        metrics = evaluate(self.parts.model, loader, self.forward, self.config.data.tasks, reduce)
+        self.evaluated_at = self.step
+        self.reporter.evaluated(self.step, metrics)
+        return metrics
+
+    def _more_steps(self) -> bool:
+        max_steps = self.config.training.max_steps
+        return not self.schedule.stopped and (max_steps is None or self.step < max_steps)
+
+    def _total_steps(self) -> int:
+        """The optimizer steps the run will take, as the config stands (for the progress bar)."""
+        per_epoch = math.ceil(len(self.loader) / self.schedule.accumulation_steps)
+        total = per_epoch * self.config.training.epochs
+        return min(total, self.config.training.max_steps or total)
+
+    def _profile_step(self, profiler: StepProfiler) -> None:
+        """Tell the profiler a step ended; when its trace is written, measure the
+        communication profile (every rank reaches this at the same step)."""
+        profiler.step()
+        if profiler.trace is None:
+            return
+        self.profiler = None
+        batch = sample_batch(self.parts.dataset, self.loader.collate_fn, self.schedule.batch_size)
+
+        def step(sync: bool) -> None:
+            self.stepper.backward_alone(batch, sync=sync)
+            self.stepper.optimizer.zero_grad(set_to_none=True)
+
+        profile = comm_profile(self.ctx, step)
+        log.info("communication profile", trace=str(profiler.trace), **profile.summary())
+        if self.ctx.is_main:
+            (profiler.trace.parent / "comm.json").write_text(json.dumps(profile.as_dict()))
+
+
+def sample_batch(dataset: Any, collate: Callable[[list[Any]], Any], size: int) -> Any:
+    """A batch of ``dataset``'s first ``size`` samples (repeated if it has fewer), collated by
+    ``collate`` (the loader's), for steps outside the loop: profiles and ``ups tune``'s."""
+    return collate([dataset[i % len(dataset)] for i in range(size)])
