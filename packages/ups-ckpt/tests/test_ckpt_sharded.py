@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ups.ckpt import CheckpointError, LocalCheckpointOptions, ShardedCheckpointer
+from ups.ckpt._sharded import fingerprint, read_metadata, split, weighted_sum
 from ups.ckpt.plugin import sharded_backend
-from ups.ckpt.sharded import fingerprint, read_metadata, split, weighted_sum
 from ups.core import Loaded, Manifest, RunContext, UnsafeCheckpointError, checksum, train
 from ups.core.testing import assert_bitwise_equal, run_ranks, tiny_project
 

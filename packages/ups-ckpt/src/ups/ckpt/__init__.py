@@ -2,15 +2,19 @@
 
 ``local`` keeps each checkpoint as a folder of files written by every rank and committed
 atomically (a ``COMMIT`` manifest with each file's size and CRC-32, a rename, a ``latest``
-pointer); see :mod:`ups.ckpt.local`. Select it in the config with
+pointer); see :class:`~ups.ckpt.LocalCheckpointer`. Select it in the config with
 ``checkpoint: {name: local, options: {keep_last: 3}}``; ``async_save: true`` writes in the
-background (:mod:`ups.ckpt.background`).
+background (:class:`~ups.ckpt.InBackground`).
 
 The commit protocol the backends share, its errors and records (:class:`CheckpointError`,
 :class:`Manifest`, ...) are the engine's (:mod:`ups.core.checkpoint`), re-exported here.
 
 In a loop of one's own, :func:`checkpointer` builds one from a folder or URL and options (see
 docs/own-loop.md).
+
+Its names are imported when first used (PEP 562): ``import ups.ckpt`` imports no backend (and
+no torch). The modules beneath it (``_name.py``) are private; :mod:`ups.ckpt.plugin` is the
+entry point.
 """
 
 from typing import TYPE_CHECKING
@@ -27,11 +31,11 @@ if TYPE_CHECKING:
         expired,
     )
 
+    from ._background import InBackground, Locating, Stager, stage
     from ._by_path import checkpointer
-    from .background import InBackground, Stager, stage
-    from .local import LocalCheckpointer, LocalCheckpointOptions
-    from .remote import FsspecCheckpointer, FsspecCheckpointOptions
-    from .sharded import ShardedCheckpointer
+    from ._local import LocalCheckpointer, LocalCheckpointOptions
+    from ._remote import FsspecCheckpointer, FsspecCheckpointOptions, FsspecStorage
+    from ._sharded import ShardedCheckpointer
 
 _EXPORTS = {
     **dict.fromkeys(
@@ -46,14 +50,16 @@ _EXPORTS = {
         "ups.core",
     ),
     "checkpointer": "._by_path",
-    "InBackground": ".background",
-    "Stager": ".background",
-    "stage": ".background",
-    "LocalCheckpointer": ".local",
-    "LocalCheckpointOptions": ".local",
-    "FsspecCheckpointer": ".remote",
-    "FsspecCheckpointOptions": ".remote",
-    "ShardedCheckpointer": ".sharded",
+    "InBackground": "._background",
+    "Locating": "._background",
+    "Stager": "._background",
+    "stage": "._background",
+    "LocalCheckpointer": "._local",
+    "LocalCheckpointOptions": "._local",
+    "FsspecCheckpointer": "._remote",
+    "FsspecCheckpointOptions": "._remote",
+    "FsspecStorage": "._remote",
+    "ShardedCheckpointer": "._sharded",
 }
 
 __all__ = [
@@ -62,9 +68,11 @@ __all__ = [
     "FileRecord",
     "FsspecCheckpointOptions",
     "FsspecCheckpointer",
+    "FsspecStorage",
     "InBackground",
     "LocalCheckpointOptions",
     "LocalCheckpointer",
+    "Locating",
     "Manifest",
     "ShardedCheckpointer",
     "Stager",

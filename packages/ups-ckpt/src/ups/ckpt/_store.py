@@ -1,6 +1,6 @@
 """The store of the ``fsspec`` backend, without torch: what its checkpointer
-(:mod:`ups.ckpt.remote`) and its probe (run by ``ups validate``, which imports no torch)
-share."""
+(:class:`~ups.ckpt.FsspecCheckpointer`) and its probe (run by ``ups validate``, which imports
+no torch) share."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ups.core import ConfigError, check_writable
 
 if TYPE_CHECKING:
-    from .remote import FsspecCheckpointOptions
+    from ._remote import FsspecCheckpointOptions
 
 URL_KEY = "checkpoint.options.url"
 """The config key that says where the ``fsspec`` backend keeps checkpoints."""

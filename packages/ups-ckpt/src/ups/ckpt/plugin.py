@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from ups.core import Checkpointer, CheckpointFactory, RunContext
 
-    from .background import Locating
+    from ._background import Locating
 
 
 class _Backend(Protocol):
@@ -34,10 +34,10 @@ class _Backend(Protocol):
 
 def backend(build: _Backend) -> CheckpointFactory:
     """The factory of a backend: ``build``'s checkpointer, wrapped in a background writer
-    (:class:`~ups.ckpt.background.InBackground`) when ``options.async_save``."""
+    (:class:`~ups.ckpt.InBackground`) when ``options.async_save``."""
 
     def factory(*, ctx: RunContext, directory: Path, options: Any) -> Checkpointer:
-        from .background import InBackground
+        from ._background import InBackground
 
         def make(group: dist.ProcessGroup | None) -> Locating:
             return build(ctx=ctx, directory=directory, options=options, group=group)
@@ -47,9 +47,9 @@ def backend(build: _Backend) -> CheckpointFactory:
     return factory
 
 
-local_backend = backend(imported("ups.ckpt.local:LocalCheckpointer"))
-sharded_backend = backend(imported("ups.ckpt.sharded:ShardedCheckpointer"))
-fsspec_backend = backend(imported("ups.ckpt.remote:FsspecCheckpointer"))
+local_backend = backend(imported("ups.ckpt:LocalCheckpointer"))
+sharded_backend = backend(imported("ups.ckpt:ShardedCheckpointer"))
+fsspec_backend = backend(imported("ups.ckpt:FsspecCheckpointer"))
 
 
 @hookimpl
@@ -58,21 +58,21 @@ def ups_checkpoint_backends() -> list[CheckpointBackendPlugin]:
         CheckpointBackendPlugin(
             name="local",
             factory=local_backend,
-            options=imported("ups.ckpt.local:LocalCheckpointOptions"),
+            options=imported("ups.ckpt:LocalCheckpointOptions"),
             probe=probe_checkpoints,
             description="a folder per checkpoint, per-rank files, committed atomically",
         ),
         CheckpointBackendPlugin(
             name="sharded",
             factory=sharded_backend,
-            options=imported("ups.ckpt.local:LocalCheckpointOptions"),
+            options=imported("ups.ckpt:LocalCheckpointOptions"),
             probe=probe_checkpoints,
             description="as local, each rank writing its share of the state with torch DCP",
         ),
         CheckpointBackendPlugin(
             name="fsspec",
             factory=fsspec_backend,
-            options=imported("ups.ckpt.remote:FsspecCheckpointOptions"),
+            options=imported("ups.ckpt:FsspecCheckpointOptions"),
             probe=imported("ups.ckpt._store:probe_store"),
             description="S3, GCS, Azure or a path through fsspec, committed by a manifest",
         ),

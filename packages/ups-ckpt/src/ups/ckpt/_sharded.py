@@ -2,7 +2,7 @@
 
 For states too big for one writer. It keeps the ``local`` backend's folders, commit rule,
 manifest, ``latest`` pointer, retention and fallback to the newest checkpoint that verifies
-(:mod:`ups.ckpt.local`); only the replicated state is kept otherwise::
+(:class:`~ups.ckpt.LocalCheckpointer`); only the replicated state is kept otherwise::
 
     step-100/
         skeleton.pt             the state with each tensor replaced by a meta tensor (its shape
@@ -63,7 +63,7 @@ from ups.core import (
     fsync_dir,
 )
 
-from .local import LocalCheckpointer
+from ._local import LocalCheckpointer
 
 SKELETON_FILE = "skeleton.pt"
 SHARDS = "shards"

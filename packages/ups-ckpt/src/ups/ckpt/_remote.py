@@ -51,8 +51,8 @@ import torch.distributed as dist
 
 from ups.core import COMMIT_FILE, Committing, FileRecord, RunContext, dump
 
+from ._local import LocalCheckpointOptions
 from ._store import filesystem, store_url
-from .local import LocalCheckpointOptions
 
 log = structlog.get_logger()
 

@@ -9,7 +9,7 @@ gathers them to rank 0), so the folder must be on a filesystem every rank sees (
 or a shared filesystem); all ranks learn whether any rank failed; rank 0 writes ``COMMIT``,
 fsyncs the folder, renames it to ``step-<N>`` and replaces ``latest``. A folder without a
 readable ``COMMIT`` is never loaded. Beyond ``simple``: three checkpoints kept by default, and
-``async_save`` to write in the background (:mod:`ups.ckpt.background`).
+``async_save`` to write in the background (:class:`~ups.ckpt.InBackground`).
 """
 
 from __future__ import annotations
