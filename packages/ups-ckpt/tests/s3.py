@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +21,7 @@ import attrs
 import boto3
 import pytest
 
-from ups.core.testing import free_port
+from ups.core.testing import free_port, wait_for
 
 BUCKET = "ups-checkpoints"
 ENVIRONMENT = {
@@ -109,17 +108,22 @@ def s3(s3_endpoint: str) -> S3Prefix:
 
 def _wait_until_listening(server: subprocess.Popen[bytes], port: int, output: Any) -> None:
     """Return once the server accepts connections; raise with its output if it exits first."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            output.seek(0)
-            raise RuntimeError(
-                f"the moto server exited with status {server.returncode} (is moto[server] "
-                f"installed?):\n{output.read().decode(errors='replace')}"
-            )
+
+    def listening() -> bool:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
+                return True
         except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"the moto server did not listen on 127.0.0.1:{port} in {START_TIMEOUT_S}s")
+            return False
+
+    def logged() -> str:
+        output.seek(0)
+        return f"(is moto[server] installed?)\n{output.read().decode(errors='replace')}"
+
+    wait_for(
+        listening,
+        START_TIMEOUT_S,
+        f"the moto server to listen on 127.0.0.1:{port}",
+        process=server,
+        details=logged,
+    )
