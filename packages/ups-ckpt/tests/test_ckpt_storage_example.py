@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from ups.core import Committing, RunContext, load_config, load_plugins
-from ups.core.engine._run import train
+from ups.core.engine import train_rank
 from ups.core.testing import run_ranks, tiny_project
 
 CHECKPOINTS_MD = Path(__file__).resolve().parents[3] / "docs" / "checkpoints.md"
@@ -103,7 +103,7 @@ def test_two_ranks_save_and_resume_through_the_flat_storage(tmp_path: Path) -> N
 
 def _train(ctx: RunContext, config: Path) -> tuple[int, tuple[float, ...], str | None]:
     registry = load_plugins(extra=[("flat", example())], env=NO_AUTOLOAD)
-    result = train(load_config(config), ctx, registry)
+    result = train_rank(load_config(config), ctx, registry)
     return result.steps, result.losses, result.checkpoint
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ups.core import RunContext, load_config, load_plugins
-from ups.core.engine._run import train
+from ups.core.engine import train_rank
 from ups.core.testing import assert_params_close, read_checkpoint, run_ranks, tiny_project
 
 HOOKS_MD = Path(__file__).resolve().parents[3] / "docs" / "hooks.md"
@@ -27,7 +27,7 @@ def example() -> types.ModuleType:
 
 def _train(ctx: RunContext, config: Path) -> tuple[str | None, list[dict[str, float]]]:
     registry = load_plugins(extra=[("example", example())], env=NO_AUTOLOAD)
-    result = train(load_config(config), ctx, registry)
+    result = train_rank(load_config(config), ctx, registry)
     return result.checkpoint, list(result.metrics)
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from ups.core import RunContext, load_config, load_plugins
 from ups.core.dist._desync import DesyncError, check_in_sync, parameter_checksum
-from ups.core.engine._run import train
+from ups.core.engine import train_rank
 from ups.core.testing import run_ranks, tiny_project
 
 DRIFTING_MODEL = '''
@@ -100,7 +100,7 @@ def trained(
     ``("ok", steps)`` or ``(exception class, message)``."""
     config = load_config(config_path, overrides.get(ctx.rank, ()))
     try:
-        result = train(config, ctx, load_plugins(env={"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}))
+        result = train_rank(config, ctx, load_plugins(env={"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}))
     except Exception as error:
         return type(error).__name__, str(error)
     return "ok", str(result.steps)

@@ -13,8 +13,8 @@ import pytest
 
 from ups.core import RunContext, UsageError, load_config, load_plugins, train
 from ups.core.config._user_code import load_object
+from ups.core.engine import train_rank
 from ups.core.engine._faults import ENV, Fault, FaultInjector, parse_faults
-from ups.core.engine._run import train as train_rank
 from ups.core.testing import events, run_ranks, run_ups, tiny_project
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import structlog
 
 from ups.core import RunContext, TrainResult, hookimpl, load_config, load_plugins
-from ups.core.engine._run import train
+from ups.core.engine import train_rank
 from ups.core.testing import events, run_ranks, tiny_project
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -38,7 +38,7 @@ class Logger:
 def _train(ctx: RunContext, config: Path, fail: bool) -> str:
     registry = load_plugins(extra=[("logger", Logger(fail))], env=NO_AUTOLOAD)
     try:
-        train(load_config(config), ctx, registry)
+        train_rank(load_config(config), ctx, registry)
     except RuntimeError as error:
         return str(error)
     return "ok"

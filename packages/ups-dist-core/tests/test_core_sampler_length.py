@@ -17,8 +17,8 @@ from torch.utils.data import Sampler
 
 from ups.core import RunContext, SamplerPlugin, hookimpl, load_config, load_plugins
 from ups.core.config._config import LoaderConfig
+from ups.core.engine import train_rank
 from ups.core.engine._loader import Epoch, data_loader
-from ups.core.engine._run import train
 from ups.core.testing import events, run_ranks, tiny_project
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -68,7 +68,7 @@ class Samplers:
 
 def _train(ctx: RunContext, config: Path) -> int:
     registry = load_plugins(extra=[("samplers", Samplers())], env=NO_AUTOLOAD)
-    return train(load_config(config), ctx, registry).steps
+    return train_rank(load_config(config), ctx, registry).steps
 
 
 def _project(folder: Path, sampler: str) -> Path:

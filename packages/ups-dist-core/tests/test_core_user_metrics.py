@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ups.core import ConfigError, RunContext, Step, load_config, load_plugins, train
-from ups.core.engine._run import train as train_rank
+from ups.core.engine import train_rank
 from ups.core.engine._step import has_metrics
 from ups.core.observe._step_metrics import UserMetrics
 from ups.core.testing import counting_all_reduces, run_ranks, tiny_project

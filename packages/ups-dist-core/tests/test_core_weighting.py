@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch.utils.data import Sampler
 
 from ups.core import Config, RunContext, SamplerPlugin, StepError, config_from_mapping, hookimpl
-from ups.core.engine._run import train
+from ups.core.engine import train_rank
 from ups.core.engine._update import Stepper
 from ups.core.plugin._manager import AUTOLOAD_ENV, load_plugins
 from ups.core.testing import assert_params_close, read_checkpoint, run_ranks
@@ -116,7 +116,7 @@ def final_params(ctx: RunContext, configs: list[Config]) -> list[Params]:
     """Train each config in turn on this rank; the model of each run's final checkpoint."""
     found = []
     for each in configs:
-        result = train(each, ctx, registry())
+        result = train_rank(each, ctx, registry())
         assert result.checkpoint is not None
         found.append(read_checkpoint(result.checkpoint)["state"]["model"])
     return found
@@ -301,7 +301,7 @@ def all_reduces_per_step(ctx: RunContext, configs: list[Config]) -> list[list[in
     ):
         for each in configs:
             counts.append([])
-            train(each, ctx, registry())
+            train_rank(each, ctx, registry())
     return counts
 
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from ups.core import Config, ConfigError, RunContext, load_config, load_plugins
-from ups.core.engine import train
+from ups.core.engine import train_rank
 from ups.core.testing import run_ranks
 from ups_blocks import plugin, sampler
 
@@ -59,7 +59,7 @@ def make_data(n: int = 64) -> TensorDataset:
 
 def _train(ctx: RunContext, config: Config) -> int:
     registry = load_plugins(extra=[("blocks", plugin)], env=NO_AUTOLOAD)
-    return train(config, ctx, registry).steps
+    return train_rank(config, ctx, registry).steps
 
 
 def test_trains_on_two_ranks(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 
 from ups.core import Config, RunContext, load_config, load_plugins
-from ups.core.engine import train
+from ups.core.engine import train_rank
 from ups.core.testing import (
     KILLER_MODULE,
     free_port,
@@ -43,7 +43,7 @@ def as_a_trial(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 def _train(ctx: RunContext, config: Config) -> int:
     registry = load_plugins(extra=[("mlflow", plugin)], env=NO_AUTOLOAD)
-    return train(config, ctx, registry).steps
+    return train_rank(config, ctx, registry).steps
 
 
 def logged(client: MlflowClient, run: Run) -> dict[str, list[tuple[int, float]]]:

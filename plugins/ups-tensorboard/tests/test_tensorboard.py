@@ -9,7 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ups.core import Config, RunContext, load_config, load_plugins
-from ups.core.engine import train
+from ups.core.engine import train_rank
 from ups.core.testing import run_ranks, run_ups, tiny_project, tracker_metrics
 from ups_tensorboard import plugin, tag
 
@@ -18,7 +18,7 @@ NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 def _train(ctx: RunContext, config: Config) -> int:
     registry = load_plugins(extra=[("tensorboard", plugin)], env=NO_AUTOLOAD)
-    return train(config, ctx, registry).steps
+    return train_rank(config, ctx, registry).steps
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from ups.core import Config, RunContext, load_config, load_plugins
-from ups.core.engine import train
+from ups.core.engine import train_rank
 from ups.core.testing import (
     KILLER_MODULE,
     install_plugin,
@@ -98,7 +98,7 @@ def as_a_trial(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 def _train(ctx: RunContext, config: Config) -> int:
     registry = load_plugins(extra=[("wandb", plugin)], env=NO_AUTOLOAD)
-    return train(config, ctx, registry).steps
+    return train_rank(config, ctx, registry).steps
 
 
 @pytest.fixture(scope="module")

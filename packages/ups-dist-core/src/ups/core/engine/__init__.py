@@ -1,5 +1,6 @@
-"""The training run, for the Python API and for steps of one's own: ``train`` runs a config's
-training on this rank (the ranks' side of ``ups.core.train``), over the parts the config builds;
+"""The training run, for the Python API and for steps of one's own: ``train_rank`` runs a
+config's training on this rank (the ranks' side of ``ups.core.train``), over the parts the
+config builds;
 ``Step`` is the contract a model's step follows; batches of any structure move with
 ``to_device``; a ``Schedule`` of rules (``Rule``) changes training at a step every rank agrees on.
 """
@@ -12,12 +13,13 @@ from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ._batches import BatchError, batch_size, tensors, to_device
-    from ._run import train
+    from ._run import train, train_rank
     from ._schedule import Action, Rule, Schedule, Trigger
     from ._step import Step, StepError
 
 _EXPORTS = {
     "train": "._run",
+    "train_rank": "._run",
     "Step": "._step",
     "StepError": "._step",
     "BatchError": "._batches",
@@ -42,6 +44,7 @@ __all__ = [
     "tensors",
     "to_device",
     "train",
+    "train_rank",
     "Trigger",
 ]
 

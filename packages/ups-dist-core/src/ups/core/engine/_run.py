@@ -48,8 +48,9 @@ from ._update import Forward, Stepper
 log = structlog.get_logger()
 
 
-def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
-    """Train the configured model on this rank; every rank of the job calls this together."""
+def train_rank(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
+    """Train the configured model on this rank; every rank of the job calls this together
+    (:func:`ups.core.train` starts the ranks and calls it on each)."""
     hook = registry.manager.hook
     # The run's folder and this rank's log file stay open for ups_error and ups_run_end too:
     # what a plugin logs there is in logs/rank<r>.jsonl like the rest of the run.
@@ -67,6 +68,10 @@ def train(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
             raise
         hook.ups_run_end(ctx=ctx, result=result)
     return result
+
+
+train = train_rank
+"""The former name of :func:`train_rank` (``ups.core.engine.train``), kept for code that uses it."""
 
 
 @attrs.frozen

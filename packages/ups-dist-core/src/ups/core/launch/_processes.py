@@ -154,8 +154,8 @@ def train_in_place(config: Config) -> TrainResult:
 
 def tune(config: Config, *, nproc: int, start: int = 1, limit: int | None = None) -> int:
     """The largest per-rank batch size whose step fits on each of ``nproc`` local processes
-    (:func:`ups.core.cli._tune.tune_batch_size`); in place when launched already."""
-    from ..cli._tune import tune_here
+    (:func:`ups.core.cli._tuning.tune_batch_size`); in place when launched already."""
+    from ..cli._tuning import tune_here
     from ..dist._context import launched
 
     args = (config, start, limit)
@@ -168,7 +168,7 @@ def train_here(ctx: RunContext, config: Config) -> TrainResult:
     """Train ``config`` in this process, as this rank of the process group ``ctx`` describes."""
     from ..engine import _run as engine
 
-    return engine.train(config, ctx, load_plugins())
+    return engine.train_rank(config, ctx, load_plugins())
 
 
 class _ReportedByUps(logging.Filter):
