@@ -1,29 +1,16 @@
 """Test helpers for ups and its plugins: run a function on real local process groups, the ``ups``
 command in a subprocess, a tiny project to train, and the assertions the tests share."""
 
-from ._helpers import (
-    KILLER_MODULE,
-    SITECUSTOMIZE,
-    TINY_MODULE,
-    WITHOUT,
+from ._checks import (
     assert_bitwise_equal,
     assert_params_close,
     counting_all_reduces,
-    events,
-    free_port,
-    install_plugin,
-    kill_all_in,
     read_checkpoint,
-    run_ranks,
-    run_ups,
-    tiny_project,
-    torchrun_env,
     tracker_metrics,
-    two_machines,
-    two_task_dataset,
-    wait_for,
-    without,
 )
+from ._commands import SITECUSTOMIZE, WITHOUT, events, run_ups, wait_for, without
+from ._project import KILLER_MODULE, TINY_MODULE, install_plugin, tiny_project, two_task_dataset
+from ._ranks import free_port, kill_all_in, run_ranks, torchrun_env, two_machines
 
 __all__ = [
     "TINY_MODULE",
