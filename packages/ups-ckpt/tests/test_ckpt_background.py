@@ -1,7 +1,7 @@
 """``async_save``: staged copies, written in the background on a process group of its own.
 
 The two-rank tests hold rank 0's background writer at its first file (a stand-in for a slow
-disk, installed in the rank's own process by replacing ``ups.core.checkpoint._simple._write``) to observe
+disk, installed as the wrapped checkpointer's ``storage.write_file``) to observe
 what happens while a save is in flight.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ups.core.checkpoint._simple
-from ups.ckpt import CheckpointError, InBackground, LocalCheckpointOptions, Stager, stage
+from ups.ckpt import (
+    CheckpointError,
+    InBackground,
+    LocalCheckpointer,
+    LocalCheckpointOptions,
+    Stager,
+    stage,
+)
 from ups.ckpt.plugin import local_backend
-from ups.core import RunContext
+from ups.core import Checkpointer, FileRecord, FolderStorage, RunContext
 from ups.core.testing import run_ranks
 
 WAIT_S = 30.0
@@ -30,24 +37,30 @@ class Opaque:
     """Loading with ``weights_only=True`` refuses it."""
 
 
+def storage(ckpt: Checkpointer) -> FolderStorage:
+    """The folder storage of a background checkpointer's wrapped ``local`` checkpointer."""
+    assert isinstance(ckpt, InBackground) and isinstance(ckpt.inner, LocalCheckpointer)
+    return ckpt.inner.storage
+
+
 class Holder:
     """Holds rank 0's writer thread before it writes ``state.pt``, until released."""
 
-    def __init__(self, ctx: RunContext) -> None:
+    def __init__(self, ctx: RunContext, ckpt: Checkpointer) -> None:
         self.ctx = ctx
         self.entered, self.gate = threading.Event(), threading.Event()
-        self.real_write = ups.core.checkpoint._simple._write
-        self.patch = pytest.MonkeyPatch()
+        self.storage = storage(ckpt)
+        self.real_write = self.storage.write_file
 
     def __enter__(self) -> Holder:
-        self.patch.setattr(ups.core.checkpoint._simple, "_write", self._write)
+        self.storage.write_file = self._write
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.gate.set()
-        self.patch.undo()
+        self.storage.write_file = self.real_write
 
-    def _write(self, path: Path, obj: Any) -> Any:
+    def _write(self, path: Path, obj: Mapping[str, Any]) -> FileRecord:
         if self.ctx.is_main and path.name == "state.pt":
             self.entered.set()
             assert self.gate.wait(WAIT_S), "never released"
@@ -69,7 +82,7 @@ def _in_flight(ctx: RunContext, directory: str) -> dict[str, Any]:
     ckpt = local_backend(ctx=ctx, directory=Path(directory), options=ASYNC)
     assert isinstance(ckpt, InBackground)
     found: dict[str, Any] = {}
-    with Holder(ctx) as holder:
+    with Holder(ctx, ckpt) as holder:
         # Training's tensors: the replicated ones the same on every rank, a rank's its own.
         w, layers = torch.arange(6.0), [torch.ones(2), torch.zeros(2)]
         model = {"w": w, "layers": layers}
@@ -164,17 +177,17 @@ def _failures(ctx: RunContext, directory: str) -> dict[str, Any]:
     ckpt.save({"bad": Opaque()}, step=4, rank_state={})
     raised["load"] = failure(ckpt.load_latest)
     # A disk that fails under rank 1's writer only.
-    real_write = ups.core.checkpoint._simple._write
+    real_write = storage(ckpt).write_file
 
-    def disk_full(path: Path, obj: Any) -> Any:
+    def disk_full(path: Path, obj: Mapping[str, Any]) -> FileRecord:
         if path.name == "rank-1.pt":
             raise OSError("disk full (simulated)")
         return real_write(path, obj)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ups.core.checkpoint._simple, "_write", disk_full)
-        ckpt.save({"w": torch.ones(2)}, step=5, rank_state={})
-        raised["disk"] = failure(ckpt.wait)
+    storage(ckpt).write_file = disk_full
+    ckpt.save({"w": torch.ones(2)}, step=5, rank_state={})
+    raised["disk"] = failure(ckpt.wait)
+    storage(ckpt).write_file = real_write
     # Still usable.
     ckpt.save({"w": torch.full((2,), 6.0)}, step=6, rank_state={"rank": ctx.rank})
     ckpt.wait()

@@ -3,8 +3,9 @@
 Each crash test runs two real ranks on a gloo process group that save steps 1 and 2, then
 save step 3 with one rank set to kill itself at one point of the save. Nothing in ``ups.ckpt``
 is changed for it: the rank that dies replaces, in its own process, a function the save calls
-at that point (``ups.core.checkpoint._simple._write``, ``os.rename`` as ``ups.core.checkpoint._simple`` sees it, ...)
-by one that does part of the work and sends itself ``SIGKILL``. Its partner, stuck in a
+at that point (the storage's public ``write_file``, ``os.rename`` as
+``ups.core.checkpoint._simple`` sees it, ...) by one that does part of the work and sends itself
+``SIGKILL``. Its partner, stuck in a
 collective, is then killed, as a launcher would. A fresh group of two ranks, and a single
 process, must then load exactly the checkpoint the stage allows, bit for bit, and the next
 save must succeed and sweep what the crash left.
@@ -24,7 +25,7 @@ import re
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -37,7 +38,7 @@ import ups.core.checkpoint._commit
 import ups.core.checkpoint._files
 import ups.core.checkpoint._simple
 from ups.ckpt import CheckpointError, LocalCheckpointer, LocalCheckpointOptions
-from ups.core import RunContext, distributed_session
+from ups.core import FileRecord, RunContext, distributed_session
 from ups.core.launch._forkserver import start_method
 from ups.core.testing import assert_bitwise_equal, free_port, torchrun_env
 
@@ -180,11 +181,11 @@ class Patched:
         return self._replaced.get(name) or getattr(self._module, name)
 
 
-def half_written(name: str) -> None:
+def half_written(ckpt: LocalCheckpointer, name: str) -> None:
     """Die half way through writing the file ``name``: half its bytes are on disk."""
-    real_write = ups.core.checkpoint._simple._write
+    real_write = ckpt.storage.write_file
 
-    def write(path: Path, obj: Any) -> Any:
+    def write(path: Path, obj: Mapping[str, Any]) -> FileRecord:
         if path.name != name:
             return real_write(path, obj)
         buffer = io.BytesIO()
@@ -195,18 +196,18 @@ def half_written(name: str) -> None:
             os.fsync(file.fileno())
         die()
 
-    CHILD.setattr(ups.core.checkpoint._simple, "_write", write)
+    ckpt.storage.write_file = write
 
 
-def writing_state() -> None:
-    half_written("state.pt")
+def writing_state(ckpt: LocalCheckpointer) -> None:
+    half_written(ckpt, "state.pt")
 
 
-def writing_rank_file() -> None:
-    half_written("rank-1.pt")
+def writing_rank_file(ckpt: LocalCheckpointer) -> None:
+    half_written(ckpt, "rank-1.pt")
 
 
-def writing_commit() -> None:
+def writing_commit(_: LocalCheckpointer) -> None:
     def write_new(path: Path, text: str) -> None:
         assert path.name == "COMMIT"
         with open(path, "x") as file:
@@ -218,7 +219,7 @@ def writing_commit() -> None:
     CHILD.setattr(ups.core.checkpoint._simple, "_write_new", write_new)
 
 
-def renaming_into_place() -> None:
+def renaming_into_place(_: LocalCheckpointer) -> None:
     def rename(src: Any, dst: Any) -> None:
         if Path(src).name.startswith(".tmp-step-3-"):
             die()
@@ -227,7 +228,7 @@ def renaming_into_place() -> None:
     CHILD.setattr(ups.core.checkpoint._simple, "os", Patched(os, rename=rename))
 
 
-def before_latest() -> None:
+def before_latest(_: LocalCheckpointer) -> None:
     def write_atomically(path: Path, text: str) -> None:
         assert path.name == "latest"
         die()
@@ -235,7 +236,7 @@ def before_latest() -> None:
     CHILD.setattr(ups.core.checkpoint._simple, "write_atomically", write_atomically)
 
 
-def replacing_latest() -> None:
+def replacing_latest(_: LocalCheckpointer) -> None:
     """In ``write_atomically``, once the new content is in its temporary file."""
 
     def replace(src: Any, dst: Any) -> None:
@@ -246,14 +247,14 @@ def replacing_latest() -> None:
     CHILD.setattr(ups.core.checkpoint._files, "os", Patched(os, replace=replace))
 
 
-def before_retention() -> None:
+def before_retention(_: LocalCheckpointer) -> None:
     def prune(*args: Any, **kwargs: Any) -> NoReturn:
         die()
 
     CHILD.setattr(ups.core.checkpoint._commit, "prune", prune)
 
 
-def during_retention() -> None:
+def during_retention(_: LocalCheckpointer) -> None:
     """Deleting step-1: renamed out of sight, one file of it deleted."""
     import shutil
 
@@ -266,7 +267,7 @@ def during_retention() -> None:
     CHILD.setattr(ups.core.checkpoint._simple, "shutil", Patched(shutil, rmtree=rmtree))
 
 
-def replacing_a_step_saved_before() -> None:
+def replacing_a_step_saved_before(_: LocalCheckpointer) -> None:
     """Saving step 3 again: the old step-3 deleted, the new one not renamed into place."""
     real_remove = ups.core.checkpoint._simple._remove
 
@@ -280,7 +281,8 @@ def replacing_a_step_saved_before() -> None:
 
 @attrs.frozen
 class Stage:
-    inject: Callable[[], None]
+    inject: Callable[[LocalCheckpointer], None]
+    """Set the dying rank to die at the stage, given its checkpointer."""
     victim: int
     """The rank that dies."""
     left: list[str]
@@ -330,7 +332,7 @@ def _save_then_crash(ctx: RunContext, directory: str, stage: str) -> str:
     for step in STAGES[stage].before:
         ckpt.save(replicated(step), step=step, rank_state=own(step, ctx.rank))
     if ctx.rank == STAGES[stage].victim:
-        STAGES[stage].inject()
+        STAGES[stage].inject(ckpt)
     ckpt.save(replicated(3, attempt=1), step=3, rank_state=own(3, ctx.rank, attempt=1))
     return "survived"
 

@@ -17,7 +17,6 @@ import structlog
 import torch
 
 import ups.ckpt
-import ups.core.checkpoint._simple
 from ups.ckpt import (
     CheckpointError,
     LocalCheckpointer,
@@ -119,17 +118,18 @@ def test_two_ranks_save_and_load_round_trip(tmp_path: Path) -> None:
 
 def _one_rank_fails(ctx: RunContext, directory: str) -> str:
     checkpointer(Path(directory), ctx=ctx).save({"step": 1}, step=1, rank_state={})
-    real_write = ups.core.checkpoint._simple._write
+    failing = checkpointer(Path(directory), ctx=ctx)
+    assert isinstance(failing, LocalCheckpointer)
+    real_write = failing.storage.write_file
 
     def disk_full(path: Path, obj: Any) -> Any:
         if path.name == "rank-1.pt":
             raise OSError("disk full (simulated)")
         return real_write(path, obj)
 
+    failing.storage.write_file = disk_full
     try:
-        with pytest.MonkeyPatch.context() as patch:  # in this rank's process
-            patch.setattr(ups.core.checkpoint._simple, "_write", disk_full)
-            checkpointer(Path(directory), ctx=ctx).save({"step": 2}, step=2, rank_state={})
+        failing.save({"step": 2}, step=2, rank_state={})
     except CheckpointError as error:
         message = str(error)
     else:

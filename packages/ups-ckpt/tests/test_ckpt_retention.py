@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ups.core.checkpoint._simple
-from ups.ckpt import LocalCheckpointer, LocalCheckpointOptions, expired
+from ups.ckpt import InBackground, LocalCheckpointer, LocalCheckpointOptions, expired
 from ups.ckpt.plugin import local_backend
-from ups.core import RunContext
+from ups.core import FileRecord, RunContext
 
 SINGLE = RunContext()
 
@@ -147,9 +147,7 @@ def test_keep_every_keeps_multiples_in_the_folder(tmp_path: Path) -> None:
     assert [c.step for c in ckpt.committed()] == [4, 8, 9, 10]
 
 
-def test_retention_never_deletes_a_save_in_flight_nor_what_latest_names(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_retention_never_deletes_a_save_in_flight_nor_what_latest_names(tmp_path: Path) -> None:
     """An ``async_save`` checkpointer's save is held while it writes; another checkpointer of
     the folder commits three saves with ``keep_last=1`` meanwhile. Its retention deletes only
     committed checkpoints: the save in flight then commits, and ``latest`` names it."""
@@ -162,15 +160,18 @@ def test_retention_never_deletes_a_save_in_flight_nor_what_latest_names(
         ctx=SINGLE, directory=tmp_path, options=LocalCheckpointOptions(keep_last=1, async_save=True)
     )
     entered, gate = threading.Event(), threading.Event()
-    real_write = ups.core.checkpoint._simple._write
+    assert isinstance(background, InBackground)
+    assert isinstance(background.inner, LocalCheckpointer)
+    written = background.inner.storage
+    real_write = written.write_file
 
-    def held(path: Path, obj: Any) -> Any:
+    def held(path: Path, obj: Mapping[str, Any]) -> FileRecord:
         if path.parent.name.startswith(".tmp-step-2-"):
             entered.set()
             assert gate.wait(30), "never released"
         return real_write(path, obj)
 
-    monkeypatch.setattr(ups.core.checkpoint._simple, "_write", held)
+    written.write_file = held
     background.save({"by": "background", "w": torch.ones(2)}, step=2, rank_state={})
     try:
         assert entered.wait(30), "the background save never began writing"

@@ -15,7 +15,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ups.core import CheckpointError, Committing, FileRecord, FolderStorage, RunContext
+from ups.core import (
+    CheckpointError,
+    Committing,
+    FileRecord,
+    FolderStorage,
+    RunContext,
+    SimpleCheckpointer,
+    SimpleCheckpointOptions,
+)
 from ups.core.checkpoint._commit import STORAGE_METHODS
 from ups.core.config._arguments import ArgumentTypeError
 
@@ -100,3 +108,41 @@ def test_a_file_not_there_at_its_size_fails_the_save_and_leaves_nothing(tmp_path
     assert said is not None and int(said[2]) == int(said[1]) - 1
     assert sorted(p.name for p in folder.iterdir()) == []  # staged, then removed
     assert ckpt.load_latest() is None
+
+
+def test_a_write_that_fails_fails_the_save_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    """The public seam of a storage's tests: ``FolderStorage.write_file``, given to the
+    constructor or set on a built checkpointer's storage."""
+    ckpt = SimpleCheckpointer(
+        ctx=RunContext(), directory=tmp_path, options=SimpleCheckpointOptions()
+    )
+    ckpt.save({"w": torch.ones(2)}, step=1, rank_state={})
+    real_write = ckpt.storage.write_file
+    written: list[str] = []
+
+    def disk_full(path: Path, obj: Mapping[str, Any]) -> FileRecord:
+        written.append(path.name)
+        if path.name == "rank-0.pt":
+            raise OSError("disk full (simulated)")
+        return real_write(path, obj)
+
+    ckpt.storage.write_file = disk_full
+    with pytest.raises(CheckpointError, match=r"^saving checkpoint step 2 failed on rank 0: "):
+        ckpt.save({"w": torch.zeros(2)}, step=2, rank_state={})
+    assert "rank-0.pt" in written
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-1"]
+    loaded = ckpt.load_latest()
+    assert loaded is not None and loaded.step == 1
+    # Given to the constructor: every file goes through it.
+    seen: list[str] = []
+
+    def counting(path: Path, obj: Mapping[str, Any]) -> FileRecord:
+        seen.append(path.name)
+        return real_write(path, obj)
+
+    storage = FolderStorage(tmp_path / "other", write_file=counting)
+    Committing(RunContext(), storage, where="in other", keep_last=None).save(
+        {"w": torch.ones(2)}, step=1, rank_state={}
+    )
+    assert sorted(seen) == ["rank-0.pt", "state.pt"]

@@ -26,7 +26,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,6 +39,9 @@ from ._errors import CheckpointError
 from ._files import fsync_dir, write_atomically
 from ._serialize import FileRecord, dump
 
+WriteFile = Callable[[Path, Mapping[str, Any]], FileRecord]
+"""How :class:`FolderStorage` writes a file of a checkpoint: ``(path, state) -> its record``."""
+
 _LEFT = re.compile(r"\.tmp-step-\d+-[0-9a-f]{8}|\.trash-.+|\.[^.]+-[0-9a-f]{8}")
 """What a save in flight keeps beside the checkpoints, and a crash may leave: a staged
 checkpoint, one being deleted, a pointer's new content (``.latest-1f2e3d4c``)."""
@@ -50,10 +53,16 @@ class FolderStorage:
     (see the module doc).
 
     :param folder: where the checkpoints are (made at the first save when missing).
+    :param write_file: writes each file of a checkpoint but ``COMMIT``: given the new file's
+        path and the mapping to save, it saves it, fsyncs it and returns its record. The
+        default does; a test gives another (or sets :attr:`write_file` on a built storage,
+        ``checkpointer.storage.write_file = ...``) to make a write fail, stall or stop part way.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, write_file: WriteFile | None = None) -> None:
         self.folder = Path(folder)
+        self.write_file: WriteFile = write_file or _write
+        """Writes each file of a checkpoint but ``COMMIT`` (see ``write_file`` above)."""
         self._swept = False
 
     def path(self, key: str) -> Path:
@@ -81,7 +90,7 @@ class FolderStorage:
             return key
 
     def write(self, key: str, file: str, obj: Mapping[str, Any]) -> FileRecord:
-        return _write(self.path(key) / file, obj)
+        return self.write_file(self.path(key) / file, obj)
 
     def read(self, key: str, file: str) -> BinaryIO:
         return open(self.path(key) / file, "rb")
