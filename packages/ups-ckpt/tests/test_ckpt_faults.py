@@ -1,4 +1,5 @@
-"""Crashes and damage: a rank killed (SIGKILL) at each stage of a save, and flipped bytes.
+"""Crashes: a rank killed (SIGKILL) at each stage of a ``local`` save. Damage found after the
+commit (flipped bytes) is tested in ups-dist-core (``test_core_commit_faults.py``).
 
 Each crash test runs two real ranks on a gloo process group that save steps 1 and 2, then
 save step 3 with one rank set to kill itself at one point of the save. Nothing in ``ups.ckpt``
@@ -31,13 +32,12 @@ from typing import Any, NoReturn
 
 import attrs
 import pytest
-import structlog
 import torch
 
 import ups.core.checkpoint._commit
 import ups.core.checkpoint._files
 import ups.core.checkpoint._simple
-from ups.ckpt import CheckpointError, LocalCheckpointer, LocalCheckpointOptions
+from ups.ckpt import LocalCheckpointer, LocalCheckpointOptions
 from ups.core import FileRecord, RunContext, distributed_session
 from ups.core.launch._forkserver import start_method
 from ups.core.testing import assert_bitwise_equal, free_port, torchrun_env
@@ -392,76 +392,3 @@ def test_a_rank_killed_while_saving_loses_at_most_that_save(crashed: tuple[Stage
         f"step-{stage.loads}",
         f"step-{following}",
     ]
-
-
-def test_the_next_save_sweeps_a_temporary_latest_left_by_a_crash(tmp_path: Path) -> None:
-    ckpt = LocalCheckpointer(ctx=RunContext(), directory=tmp_path, options=OPTIONS)
-    ckpt.save({"step": 1}, step=1, rank_state={})
-    folder = tmp_path / "checkpoints"
-    (folder / ".latest-0badc0de").write_text("step-2\n")  # as the stage "replacing latest" leaves
-    LocalCheckpointer(ctx=RunContext(), directory=tmp_path, options=OPTIONS).save(
-        {"step": 2}, step=2, rank_state={}
-    )
-    assert listing(folder) == ["latest", "step-1", "step-2"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Bytes damaged after the commit: found by the CRC-32s in COMMIT
-
-
-def flip_a_data_byte(path: Path, tensor: torch.Tensor) -> None:
-    """Flip one byte inside ``tensor``'s data in the file ``path``: same size, and torch still
-    loads it (with a wrong value), so only the manifest's CRC-32 can tell."""
-    data = bytearray(path.read_bytes())
-    start = data.find(tensor.numpy().tobytes())
-    assert start >= 0
-    data[start + tensor.nbytes // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-    assert not torch.equal(torch.load(path, weights_only=True)["w"], tensor)
-
-
-def _two_checkpoints(directory: Path) -> tuple[LocalCheckpointer, torch.Tensor]:
-    ckpt = LocalCheckpointer(ctx=RunContext(), directory=directory, options=OPTIONS)
-    w = torch.arange(1000, dtype=torch.float32)
-    for step in (1, 2):
-        ckpt.save({"w": w + step}, step=step, rank_state={"w": w - step})
-    return ckpt, w
-
-
-@pytest.mark.parametrize("name", ["state.pt", "rank-0.pt"])
-def test_a_flipped_byte_is_found_and_the_older_checkpoint_loads(tmp_path: Path, name: str) -> None:
-    ckpt, w = _two_checkpoints(tmp_path)
-    damaged = tmp_path / "checkpoints" / "step-2" / name
-    size = damaged.stat().st_size
-    flip_a_data_byte(damaged, w + 2 if name == "state.pt" else w - 2)
-    assert damaged.stat().st_size == size
-    with structlog.testing.capture_logs() as logs:
-        loaded = ckpt.load_latest()
-    assert loaded is not None and loaded.step == 1
-    assert loaded.rank_state is not None
-    assert torch.equal(loaded.state["w"], w + 1) and torch.equal(loaded.rank_state["w"], w - 1)
-    [warning] = logs
-    assert warning["event"] == "damaged checkpoint skipped: loading an older one"
-    assert warning["log_level"] == "warning"
-    assert warning["checkpoint"] == str(damaged.parent)
-    assert re.fullmatch(
-        rf"{re.escape(str(damaged))} has {size} bytes, CRC-32 [0-9a-f]{{8}}; "
-        rf"COMMIT says {size} bytes, CRC-32 [0-9a-f]{{8}}",
-        warning["damage"],
-    )
-
-
-def test_when_no_checkpoint_verifies_the_error_names_the_folder(tmp_path: Path) -> None:
-    ckpt, w = _two_checkpoints(tmp_path)
-    folder = tmp_path / "checkpoints"
-    for step in (1, 2):
-        flip_a_data_byte(folder / f"step-{step}" / "state.pt", w + step)
-    with (
-        structlog.testing.capture_logs() as logs,
-        pytest.raises(
-            CheckpointError,
-            match=rf"no checkpoint in {re.escape(str(folder))} verifies .*2 damaged",
-        ),
-    ):
-        ckpt.load_latest()
-    assert [log["checkpoint"] for log in logs] == [str(folder / "step-2"), str(folder / "step-1")]
