@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from ._main import EXIT_PREEMPTED, main
+    from ._common import EXIT_PREEMPTED
+    from ._main import main
 
 _EXPORTS = {
-    "EXIT_PREEMPTED": "._main",
+    "EXIT_PREEMPTED": "._common",
     "main": "._main",
 }
 """Each public name and the module that defines it."""

@@ -21,6 +21,7 @@ difference reported, not failed on; bf16 and fp16 runs in fp32 unless asked to k
 
 from __future__ import annotations
 
+import argparse
 import gc
 import math
 import tempfile
@@ -36,16 +37,20 @@ from torch.utils.data import default_collate
 
 from ..checkpoint._commit import STATE_FILE
 from ..config._config import CheckpointChoice, CommHookChoice, Config, FactoryConfig
+from ..config._errors import UsageError
 from ..config._user_code import load_object
 from ..config._validate import select_sampler
 from ..dist._collectives import Failure
+from ..dist._context import launched
 from ..dist._rng import seed_all
 from ..engine._batches import to_device
 from ..engine._loader import build_dataset
 from ..engine._parts import build_model
 from ..engine._step import build_step
 from ..launch._processes import train
-from ..plugin._manager import Registry
+from ..plugin._manager import Registry, load_plugins
+from ..plugin._records import CommandRunner
+from . import _common
 
 log = structlog.get_logger()
 
@@ -210,6 +215,68 @@ class Report:
                 f"{count} thing{'s' if count > 1 else ''} break{'' if count > 1 else 's'} it"
             )
         return f"not exact: {'; '.join(why)}"
+
+
+def command(parser: argparse.ArgumentParser) -> CommandRunner:
+    """Add ``ups check``'s arguments to ``parser``; return what runs it."""
+    parser.add_argument("config", type=Path)
+    parser.add_argument(
+        "--nproc",
+        type=_common.count,
+        metavar="W",
+        help="ranks to compare (default: distributed.nproc, at least 2)",
+    )
+    parser.add_argument(
+        "--steps", type=_common.count, default=5, metavar="N", help="optimizer steps (default: 5)"
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=_tolerance,
+        default=1e-5,
+        metavar="T",
+        help="the largest parameter difference that agrees (default: 1e-5)",
+    )
+    parser.add_argument(
+        "--keep-precision",
+        action="store_true",
+        help="run training.precision as configured (bf16, fp16), not fp32",
+    )
+    _common.add_overrides(parser)
+    return _check
+
+
+def _tolerance(text: str) -> float:
+    """``ups check --tolerance``: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
+def _check(args: argparse.Namespace) -> int:
+    """``ups check``: the three ways of running a few steps, compared (:func:`check`); exit 0
+    when they agree and nothing breaks equivalence, else 1."""
+    config = _common.run_config(args)
+    nproc = args.nproc or max(config.distributed.nproc, 2)
+    if nproc < 2:
+        raise UsageError("--nproc: must be >= 2: one process has nothing to compare")
+    if launched():
+        raise UsageError("ups check starts its own processes: run it outside torchrun and srun")
+    registry = load_plugins()
+    _common.check_config(config, registry, nproc)
+    report = check(
+        config,
+        registry,
+        nproc=nproc,
+        steps=args.steps,
+        tolerance=args.tolerance,
+        keep_precision=args.keep_precision,
+    )
+    print(report.render(str(args.config)))
+    return _common.EXIT_OK if report.exact else _common.EXIT_FAILED
 
 
 def check(

@@ -1,49 +1,38 @@
-"""``ups tune``: the largest per-rank batch size that fits in memory on every rank.
-
-Every rank builds what a training step needs as ``ups train`` would (no evaluation data, no
-checkpoint backend, no run folder: nothing of the run's own folder is touched) and
-:func:`~ups.core.engine._largest_batch.find_batch_size` tries optimizer steps of growing batch sizes,
-agreeing after each on whether it fitted everywhere.
-"""
+"""``ups tune``: the largest per-rank batch size that fits in memory on every rank, found by
+``--nproc`` local processes (:mod:`ups.core.cli._tuning`)."""
 
 from __future__ import annotations
 
-from ..config._config import Config
-from ..dist._context import RunContext
-from ..dist._rng import seed_all
-from ..dist._watchdog import Watchdog
-from ..engine._largest_batch import find_batch_size
-from ..engine._parts import build_parts
-from ..engine._run import sample_batch, stepping
-from ..plugin._manager import Registry, load_plugins
+import argparse
+from pathlib import Path
+
+from ..config._errors import UsageError
+from ..plugin._manager import load_plugins
+from ..plugin._records import CommandRunner
+from ._common import EXIT_OK, add_overrides, check_config, count, run_config
 
 
-def tune_batch_size(
-    config: Config,
-    ctx: RunContext,
-    registry: Registry,
-    *,
-    start: int = 1,
-    limit: int | None = None,
-) -> int:
-    """Return the largest ``training.batch_size`` (per rank) whose optimizer step fits on every
-    rank, from ``start`` up to ``limit`` (default: this rank's share of the data). The same
-    number on every rank; every rank calls this together."""
-    seed_all(config.run.seed)
-    size = config.training.batch_size
-    parts = build_parts(config, ctx, registry, batch_size=size, to_train=False)
-    stepper = stepping(config, ctx, parts, Watchdog(ctx)).stepper
-    collate = parts.loader.collate_fn
-
-    def trial_step(batch_size: int) -> None:
-        """One optimizer step on this rank alone (no collective: through the bare module)."""
-        stepper.trial(sample_batch(parts.dataset, collate, batch_size))
-
-    sampler, dataset = parts.sampler, parts.dataset
-    shard = len(sampler) if hasattr(sampler, "__len__") else len(dataset)
-    return find_batch_size(ctx, trial_step, start=start, limit=limit or shard)
+def command(parser: argparse.ArgumentParser) -> CommandRunner:
+    """Add ``ups tune``'s arguments to ``parser``; return what runs it."""
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--nproc", type=count, help="processes on this machine")
+    parser.add_argument("--start", type=int, default=1, help="the first batch size to try")
+    parser.add_argument("--limit", type=int, help="the largest to try (default: a rank's data)")
+    add_overrides(parser)
+    return _tune
 
 
-def tune_here(ctx: RunContext, config: Config, start: int, limit: int | None) -> int:
-    """:func:`tune_batch_size` with the installed plugins, as this rank of ``ctx``."""
-    return tune_batch_size(config, ctx, load_plugins(), start=start, limit=limit)
+def _tune(args: argparse.Namespace) -> int:
+    if args.start < 1 or (args.limit is not None and args.limit < args.start):
+        raise UsageError(f"--start ({args.start}) must be >= 1 and --limit >= --start")
+    from ..dist._context import launched
+    from ..launch import _processes as launch
+
+    config = run_config(args)
+    nproc = args.nproc or config.distributed.nproc
+    if not launched():
+        check_config(config, load_plugins(), nproc)
+    size = launch.tune(config, nproc=nproc, start=args.start, limit=args.limit)
+    if not launched():  # launched ranks log it (rank 0)
+        print(f"training.batch_size: {size} fits on every rank ({nproc} processes)")
+    return EXIT_OK
