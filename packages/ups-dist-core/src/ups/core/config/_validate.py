@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..checkpoint._files import check_writable
 from ..engine._schedule import schedule_warnings
-from ..engine._step import build_step
+from ..engine._step import build_step, has_metrics
 from ..plugin._manager import Registry
 from ..plugin._records import SamplerPlugin
 from ._config import Config, LoaderConfig, PluginChoice
-from ._errors import ConfigError
+from ._errors import ConfigError, did_you_mean
 from ._user_code import load_object
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     load_object(config.data.factory, "data.factory")
     if config.eval is not None:
         load_object(config.eval.factory, "eval.factory")
-    build_step(config)
+    step = build_step(config)
     check_loader(config.data.loader)
     # The plugins' options only: their factories' modules are imported by the run.
     sampler, _ = select_sampler(registry, config.sampler, "sampler", exact=False, factory=False)
@@ -130,6 +130,13 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
                     "needs an evaluation loss during training, and this run evaluates at the "
                     "end only, if at all; set eval.every_steps, or use at_latest_step",
                 )
+            if rule.when.plateau is not None:
+                raise ConfigError(
+                    f"schedule[{i}].when.plateau",
+                    "counts evaluations during training, and this run evaluates at the end "
+                    "only, if at all; set eval.every_steps",
+                )
+    check_plateaus(config, metrics=config.metrics is not None or has_metrics(step))
     warnings = schedule_warnings(config.schedule, max_steps=t.max_steps)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if cores and nproc > cores:
@@ -159,6 +166,61 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     if nproc == 1 and config.comm_hook.name != "none":
         warnings.append(f"comm_hook.name: {config.comm_hook.name!r} has no effect on one process")
     return warnings
+
+
+def check_plateaus(config: Config, *, metrics: bool) -> None:
+    """Refuse what watches a plateau and cannot work: a ``ReduceLROnPlateau`` scheduler
+    without evaluations during training, with a plateau rule that changes the LR too, and a
+    plateau rule's or the scheduler's ``monitor`` that the evaluation never reports (with
+    ``metrics``, the run's metrics' names are known at the first evaluation only, which
+    checks them then).
+
+    :raises ConfigError: naming the key.
+    """
+    t = config.training
+    monitors = [
+        (f"schedule[{i}].when.plateau.monitor", rule.when.plateau.monitor)
+        for i, rule in enumerate(config.schedule)
+        if rule.when.plateau is not None
+    ]
+    if plateau_scheduler(t.scheduler):
+        if config.eval is None or config.eval.every_steps is None:
+            raise ConfigError(
+                "training.scheduler",
+                f"{t.scheduler!r} steps after each evaluation during training, and this run "
+                "evaluates at the end only, if at all; set eval.every_steps",
+            )
+        for i, rule in enumerate(config.schedule):
+            if rule.when.plateau is not None and rule.do.lr_multiplier is not None:
+                raise ConfigError(
+                    "training.scheduler",
+                    f"{t.scheduler!r} and schedule[{i}] (a plateau rule with lr_multiplier) "
+                    "both change the LR on a plateau; keep one",
+                )
+        monitor = t.scheduler_options.get("monitor", "val_loss")
+        monitors.append(("training.scheduler_options.monitor", monitor))
+    tasks = config.data.tasks
+    known = {"val_loss", "val_samples"} | {f"val_loss/{task}" for task in tasks if len(tasks) > 1}
+    for key, monitor in monitors:
+        if monitor in known or (metrics and monitor.startswith("val_")):
+            continue
+        also = ", val_<metric> for each metric the step reports" if metrics else ""
+        raise ConfigError(
+            key,
+            f"{monitor!r} is not reported by the run's evaluation; it reports: "
+            f"{', '.join(sorted(known))}{also}{did_you_mean(monitor, known)}",
+        )
+
+
+def plateau_scheduler(name: str | None) -> bool:
+    """Whether ``training.scheduler`` names a ``ReduceLROnPlateau`` (stepped after
+    evaluations); imports torch only for an import path."""
+    if name is None or ":" not in name:
+        return name is not None and name.lower() == "reducelronplateau"
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+    cls = load_object(name, "training.scheduler")
+    return isinstance(cls, type) and issubclass(cls, ReduceLROnPlateau)
 
 
 def check_name(name: str, key: str) -> None:

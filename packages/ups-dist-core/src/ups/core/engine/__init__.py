@@ -13,8 +13,9 @@ from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ._batches import BatchError, batch_size, tensors, to_device
+    from ._optim import step_on_plateau
     from ._run import train, train_rank
-    from ._schedule import Action, Rule, Schedule, Trigger
+    from ._schedule import Action, Plateau, Rule, Schedule, Trigger
     from ._step import Step, StepError
 
 _EXPORTS = {
@@ -27,6 +28,8 @@ _EXPORTS = {
     "tensors": "._batches",
     "to_device": "._batches",
     "Action": "._schedule",
+    "Plateau": "._schedule",
+    "step_on_plateau": "._optim",
     "Rule": "._schedule",
     "Schedule": "._schedule",
     "Trigger": "._schedule",
@@ -37,10 +40,12 @@ __all__ = [
     "Action",
     "batch_size",
     "BatchError",
+    "Plateau",
     "Rule",
     "Schedule",
     "Step",
     "StepError",
+    "step_on_plateau",
     "tensors",
     "to_device",
     "train",

@@ -40,6 +40,12 @@ def shard_sampler(dataset: Sized, *, ctx: RunContext, seed: int, options: object
     return ShardSampler(len(dataset), ctx.rank, ctx.world_size)
 
 
+def val_named(metrics: Mapping[str, float]) -> dict[str, float]:
+    """An evaluation's ``metrics`` by the names the ``eval`` log event gives them, which plateau
+    rules and schedulers monitor: ``val_loss``, ``val_loss/<task>``, ``val_<metric>``."""
+    return {f"val_{name}": value for name, value in metrics.items()}
+
+
 def evaluate(
     model: nn.Module,
     loader: DataLoader[Any],

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ..config._errors import ConfigError, did_you_mean, one_of
 from ..config._user_code import load_object
+from ..dist._collectives import decide
+from ..dist._context import RunContext
+from ._schedule import monitored
 
 
 def _classes(module: object, base: type) -> dict[str, type]:
@@ -67,13 +70,27 @@ def build_optimizer(
     return optimizer
 
 
+MONITOR = "monitor"
+"""The key of ``training.scheduler_options`` naming the value a plateau scheduler watches
+(ups's, not passed to the scheduler); ``val_loss`` when left out."""
+
+
+def is_plateau(scheduler: object) -> TypeGuard[ReduceLROnPlateau]:
+    """Whether ``scheduler`` is stepped with a value after each evaluation (a
+    ``ReduceLROnPlateau``), not once per optimizer step."""
+    return isinstance(scheduler, ReduceLROnPlateau)
+
+
 def build_scheduler(
     name: str | None, optimizer: torch.optim.Optimizer, options: Mapping[str, Any]
 ) -> LRScheduler | None:
-    """Build the LR scheduler ``name`` names (stepped once per optimizer step), or none."""
+    """Build the LR scheduler ``name`` names, or none: stepped once per optimizer step, or,
+    a ``ReduceLROnPlateau``, after each evaluation (its ``monitor`` option is ups's)."""
     if name is None:
         return None
     cls = resolve(name, SCHEDULERS, "training.scheduler")
+    if inspect.isclass(cls) and issubclass(cls, ReduceLROnPlateau):
+        options = {key: value for key, value in options.items() if key != MONITOR}
     try:
         scheduler = cls(optimizer, **options)
     except TypeError as error:
@@ -81,6 +98,25 @@ def build_scheduler(
     if not isinstance(scheduler, LRScheduler):
         raise ConfigError("training.scheduler", f"{name!r} did not build an LR scheduler")
     return scheduler
+
+
+def step_on_plateau(
+    ctx: RunContext,
+    scheduler: ReduceLROnPlateau,
+    values: Mapping[str, float],
+    monitor: str = "val_loss",
+) -> None:
+    """Step a plateau ``scheduler`` after an evaluation with the value ``monitor`` names in
+    ``values`` (``val_loss``, ``val_<metric>``), as rank 0 reads it, on every rank: every rank
+    calls this after the same evaluations, so their schedulers (their best value, their count
+    of evaluations without improvement, the LR) stay identical. A collective.
+
+    :raises ConfigError: on every rank, before the collective, when ``values`` has no
+        ``monitor`` (naming ``training.scheduler_options.monitor`` and the values it has).
+    """
+    monitored(values, monitor, f"training.scheduler_options.{MONITOR}")
+    value = decide(ctx, lambda: float(values[monitor]))
+    scheduler.step(value)
 
 
 def _parameters(cls: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:

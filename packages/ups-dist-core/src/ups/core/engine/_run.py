@@ -35,9 +35,10 @@ from ..observe._reporter import Reporter
 from ..observe._step_metrics import UserMetrics
 from ..plugin._manager import Registry
 from ..plugin._records import TrainResult
-from ._evaluation import evaluate
+from ._evaluation import evaluate, val_named
 from ._faults import FaultInjector
 from ._loader import Epoch, StepBatches
+from ._optim import MONITOR, is_plateau, step_on_plateau
 from ._parts import Parts, build_parts, run_loader
 from ._resume import Position, Resumed, TrainingState
 from ._rundir import RunFiles, own_run_dir
@@ -373,7 +374,15 @@ class Run:
             reporter.start(self.step, self.position.epoch, self._extra)
         if self.profiler is not None:
             self._profile_step(self.profiler)
-        decision = self.schedule.decide(ctx, self.step, self._maybe_evaluate())
+        evaluated = self._maybe_evaluate()
+        values = None if evaluated is None else val_named(evaluated)
+        scheduler = self.parts.scheduler
+        if values is not None and scheduler is not None and is_plateau(scheduler):
+            monitor = self.config.training.scheduler_options.get(MONITOR, "val_loss")
+            step_on_plateau(ctx, scheduler, values, monitor)
+        decision = self.schedule.decide(
+            ctx, self.step, None if evaluated is None else evaluated["loss"], metrics=values
+        )
         if decision is not None and decision.lr_multiplier is not None:
             apply_lr_multiplier(self.parts.optimizer, decision.lr_multiplier, self.parts.scheduler)
         every = self.config.checkpoint.every_steps
@@ -403,12 +412,12 @@ class Run:
         self.reporter.check_finite(self.step)
         self._location, self._saved_at = self.state.save(self.position), self.step
 
-    def _maybe_evaluate(self) -> float | None:
-        """Evaluate if this step is an evaluation step; return the loss (the same on every
+    def _maybe_evaluate(self) -> dict[str, float] | None:
+        """Evaluate if this step is an evaluation step; return the metrics (the same on every
         rank), or ``None``. Whether to evaluate depends on the step alone: every rank agrees."""
         every = self.config.eval.every_steps if self.config.eval else None
         if every and self.step % every == 0:
-            return self._evaluate()["loss"]
+            return self._evaluate()
         return None
 
     def _evaluate(self) -> dict[str, float]:

@@ -34,6 +34,7 @@ from ..dist._watchdog import BACKWARD, DONE, EVALUATING, FORWARD, FORWARD_DONE, 
 from ..observe._metrics import LossWindow
 from ..observe._step_metrics import UserMetrics
 from ._batches import to_device
+from ._optim import is_plateau
 from ._step import Step, StepError, _raw, batch_mean
 
 log = structlog.get_logger()
@@ -401,8 +402,8 @@ class Stepper:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        if self.scheduler is not None and not is_plateau(self.scheduler):
+            self.scheduler.step()  # a plateau scheduler steps after evaluations
         self.watchdog.mark(self.attempts, DONE)
         return grad_norm, micro.taken
 
