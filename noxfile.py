@@ -234,6 +234,15 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_engine.py", *session.posargs)
 
 
+@nox.session(name="bench_ema", default=False)
+def bench_ema(session: nox.Session) -> None:
+    """Benchmark the EMA of the weights (``training.ema``, every step) in one process against
+    the same steps without it, and ``EMA.update`` against a Python loop of ``lerp_``; see
+    docs/benchmarks.md. Not a default session: ``nox -s bench_ema``."""
+    install(session, "core")
+    session.run("python", "benchmarks/bench_ema.py", *session.posargs)
+
+
 @nox.session(name="bench_samplers", default=False)
 def bench_samplers(session: nox.Session) -> None:
     """Benchmark the samplers of ups-samplers against torch's ``DistributedSampler`` (one

@@ -212,6 +212,9 @@ def test_the_example_trains_on_two_ranks_with_per_task_metrics(tmp_path: Path) -
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]
     (last,) = [e for e in logged if e["event"] == "eval"]  # at the end only (every 40 steps)
     assert last["val_samples"] == 192 and all(f"val_nrmse/{t}" in last for t in TASKS)
+    # the config's EMA of the weights, evaluated beside them, per task too
+    assert all(f"val_loss_ema/{t}" in last and f"val_nrmse_ema/{t}" in last for t in TASKS)
+    assert last["val_loss_ema"] != last["val_loss"] and "val_samples_ema" not in last
     done = [e for e in logged if e["event"] == "done"]
     assert len(done) == 1 and done[0]["steps"] == 30
     assert len(list((tmp_path / "data").glob("2D_*.h5"))) == 6

@@ -72,7 +72,7 @@ if TYPE_CHECKING:
         distributed_session,
         gather_failures,
     )
-    from .engine import Step, StepError
+    from .engine import EMA, Step, StepError
     from .launch import (
         AGENT_ENV,
         agent_args,
@@ -184,6 +184,7 @@ _EXPORTS = {
     "PendingReport": ".observe",
     "read_metrics": ".observe",
     "write_report": ".observe",
+    "EMA": ".engine",
     "Step": ".engine",
     "StepError": ".engine",
     "imported": "._lazy",
@@ -204,6 +205,7 @@ __all__ = [
     "CommHookPlugin",
     "Config",
     "ConfigError",
+    "EMA",
     "Failure",
     "JobState",
     "LaunchRequest",

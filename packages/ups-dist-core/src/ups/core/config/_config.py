@@ -165,6 +165,31 @@ class MetricsConfig(FactoryConfig):
     ``mean`` (weighted by batch size; the default for names not listed), ``sum`` or ``max``."""
 
 
+def open_unit(_instance: object, _attribute: attrs.Attribute[float], value: float) -> None:
+    """Validator: ``value`` is in the open interval ``(0, 1)``."""
+    if not 0 < value < 1:
+        raise ValueError("must be in (0, 1), e.g. 0.999")
+
+
+@attrs.frozen(kw_only=True)
+class EMAConfig:
+    """An exponential moving average of the weights (:class:`ups.core.EMA`), kept in fp32 on
+    every rank (the same on each, without communication) and saved in checkpoints."""
+
+    decay: float = attrs.field(default=0.999, validator=open_unit)
+    """The weight of the old average at each update, in ``(0, 1)``."""
+    every_steps: int = attrs.field(default=1, validator=at_least(1))
+    """Update the average every this many optimizer steps after ``start_step``."""
+    start_step: int = attrs.field(default=0, validator=at_least(0))
+    """Until this optimizer step the average is a copy of the weights; it averages after it."""
+    warmup: bool = False
+    """The decay of the ``n``-th update is ``min(decay, (1 + n) / (10 + n))``."""
+    evaluate: Literal["both", "ema", "live"] = "both"
+    """Which weights evaluations measure: ``both`` (the EMA's metrics beside the live ones',
+    named ``loss_ema``, ``loss_ema/<task>``, ``<metric>_ema``), ``ema`` (the EMA's only, under
+    the plain names: ``loss``, ...) or ``live``."""
+
+
 @attrs.frozen(kw_only=True)
 class TrainingConfig:
     """The optimisation."""
@@ -205,6 +230,8 @@ class TrainingConfig:
     the first out-of-memory error stops the run)."""
     peak_flops: float | None = attrs.field(default=None, validator=above(0))
     """Peak FLOP/s of one device, for the ``mfu`` metric (with a model that counts its FLOPs)."""
+    ema: EMAConfig | None = None
+    """An exponential moving average of the weights; ``null``: none."""
 
 
 @attrs.frozen(kw_only=True)

@@ -2,7 +2,8 @@
 config's training on this rank (the ranks' side of ``ups.core.train``), over the parts the
 config builds;
 ``Step`` is the contract a model's step follows; batches of any structure move with
-``to_device``; a ``Schedule`` of rules (``Rule``) changes training at a step every rank agrees on.
+``to_device``; an ``EMA`` of the weights is kept in a run or a loop of one's own; a
+``Schedule`` of rules (``Rule``) changes training at a step every rank agrees on.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ._batches import BatchError, batch_size, tensors, to_device
+    from ._ema import EMA
     from ._optim import step_on_plateau
     from ._run import train, train_rank
     from ._schedule import Action, Plateau, Rule, Schedule, Trigger
     from ._step import Step, StepError
 
 _EXPORTS = {
+    "EMA": "._ema",
     "train": "._run",
     "train_rank": "._run",
     "Step": "._step",
@@ -39,6 +42,7 @@ _EXPORTS = {
 __all__ = [
     "Action",
     "batch_size",
+    "EMA",
     "BatchError",
     "Plateau",
     "Rule",

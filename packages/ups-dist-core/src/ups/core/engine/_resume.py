@@ -26,6 +26,7 @@ from ..config._errors import ConfigError, UsageError
 from ..dist._context import RunContext
 from ..dist._rng import rng_state
 from ..plugin._records import Checkpointer, Loaded
+from ._ema import EMA
 from ._faults import FaultInjector
 from ._rundir import keep_until
 from ._schedule import Schedule
@@ -93,6 +94,10 @@ class Saved:
     config_digest: str
     versions: dict[str, str]
     """torch's and the ``ups-*`` distributions' versions."""
+    ema: dict[str, Any] = attrs.field(factory=dict)
+    """The EMA of the weights (:meth:`EMA.state_dict <ups.core.EMA.state_dict>`): its
+    ``model`` holds the averages by the model's names; ``{}`` without one (and in a checkpoint
+    saved before it was kept)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The mapping a checkpointer stores."""
@@ -107,7 +112,8 @@ class Saved:
         """
         found = state.get("format")
         names = [f.name for f in attrs.fields(cls)]
-        if found != FORMAT or any(name not in state for name in names):
+        needed = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING]
+        if found != FORMAT or any(name not in state for name in needed):
             versions = state.get("versions") or {}
             by = ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) or "an older ups"
             raise UsageError(
@@ -115,7 +121,7 @@ class Saved:
                 f"{by}), this ups-dist-core reads format {FORMAT}; resume it with the version "
                 "that saved it, or start afresh (checkpoint.resume: none)"
             )
-        return cls(**{name: state[name] for name in names})
+        return cls(**{name: state[name] for name in names if name in state})
 
 
 @attrs.frozen(kw_only=True)
@@ -158,6 +164,7 @@ class TrainingState:
     checkpointer: Checkpointer
     comm_state: object | None
     faults: FaultInjector
+    ema: EMA | None = None
 
     def save(self, position: Position) -> str:
         """Save a checkpoint at ``position``; return where it went."""
@@ -186,6 +193,7 @@ class TrainingState:
             plugins=own.plugins,
             config_digest=self.config.digest(),
             versions=dict(_versions()),
+            ema=self.ema.state_dict() if self.ema is not None else {},
         )
         with self.faults.saving(step):
             location = self.checkpointer.save(saved.to_dict(), step=step, rank_state=own.to_dict())
@@ -220,6 +228,7 @@ class TrainingState:
             self.scheduler.load_state_dict(state.scheduler)
         self.scaler.load_state_dict(state.scaler)
         self.schedule.load_state_dict(state.schedule)
+        self._restore_ema(state.ema)
         load = getattr(self.sampler, "load_state_dict", None) if state.sampler else None
         if load is not None:
             load(state.sampler)
@@ -245,6 +254,18 @@ class TrainingState:
         return Resumed(
             position=position, replay=replay, rng=(own or state).rng, location=loaded.location
         )
+
+    def _restore_ema(self, saved: dict[str, Any]) -> None:
+        """Restore the EMA, if the run keeps one: the checkpoint's, or afresh from the resumed
+        weights when the checkpoint has none."""
+        if self.ema is None:
+            return
+        if saved:
+            self.ema.load_state_dict(saved)
+            return
+        if self.ctx.is_main:
+            log.warning("the checkpoint has no EMA of the weights: it starts from the resumed ones")
+        self.ema.reset()
 
     def _supersede_after(self, step: int) -> None:
         """On rank 0, drop the reports after ``step`` from ``metrics.jsonl``

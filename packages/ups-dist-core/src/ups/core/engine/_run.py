@@ -35,6 +35,7 @@ from ..observe._reporter import Reporter
 from ..observe._step_metrics import UserMetrics
 from ..plugin._manager import Registry
 from ..plugin._records import TrainResult
+from ._ema import EMA, evaluate_beside
 from ._evaluation import evaluate, val_named
 from ._faults import FaultInjector
 from ._loader import Epoch, StepBatches
@@ -144,6 +145,7 @@ class Run:
         self.watchdog = Watchdog(ctx, key=str(self.restarted))
         steps = stepping(config, ctx, parts, self.watchdog)
         self.forward, self.stepper, self.metrics = steps.forward, steps.stepper, steps.metrics
+        self.ema = run_ema(config, parts)
         self.state = self._training_state(self._faults())
         self.reporter = self._reporter(steps)
         profile = config.run.profile_steps
@@ -198,6 +200,7 @@ class Run:
             checkpointer=parts.checkpointer,
             comm_state=parts.comm_state,
             faults=faults,
+            ema=self.ema,
         )
 
     @property
@@ -325,6 +328,8 @@ class Run:
                 if taken is None:
                     continue  # every rank skipped the batch
                 self._grad_norm, micro_batches = taken
+                if self.ema is not None:
+                    self.ema.update(self.step)
                 for counted in micro_batches:
                     counted.count(self.reporter.window, self.metrics)
                 if self._after_step():
@@ -427,7 +432,12 @@ class Run:
         if hasattr(shards, "set_epoch"):  # a new order each evaluation, for one that shuffles
             shards.set_epoch(len(self.reporter.eval_reports))
         reduce = self.config.metrics.reduce if self.config.metrics else {}
-        metrics = evaluate(self.parts.model, loader, self.forward, self.config.data.tasks, reduce)
+        tasks, which = self.config.data.tasks, self.config.training.ema
+        metrics = evaluate_beside(
+            self.ema,
+            which.evaluate if which is not None else "live",
+            lambda: evaluate(self.parts.model, loader, self.forward, tasks, reduce),
+        )
         self.evaluated_at = self.step
         self.reporter.evaluated(self.step, metrics)
         return metrics
@@ -459,6 +469,20 @@ class Run:
         log.info("communication profile", trace=str(profiler.trace), **profile.summary())
         if self.ctx.is_main:
             (profiler.trace.parent / "comm.json").write_text(json.dumps(profile.as_dict()))
+
+
+def run_ema(config: Config, parts: Parts) -> EMA | None:
+    """The EMA of the model's weights ``training.ema`` asks for, or ``None``."""
+    ema = config.training.ema
+    if ema is None:
+        return None
+    return EMA(
+        parts.model,
+        ema.decay,
+        every_steps=ema.every_steps,
+        start_step=ema.start_step,
+        warmup=ema.warmup,
+    )
 
 
 def sample_batch(dataset: Any, collate: Callable[[list[Any]], Any], size: int) -> Any:
