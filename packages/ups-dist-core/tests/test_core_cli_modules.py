@@ -37,7 +37,7 @@ def cli_modules(*args: str) -> list[str]:
 
 def test_the_built_in_commands_are_command_plugin_records() -> None:
     assert list(_COMMANDS) == [
-        *("train", "tune", "validate", "check", "plugins", "report"),
+        *("train", "tune", "validate", "check", "plugins", "report", "export"),
         *("launch", "status", "logs", "cancel"),
     ]
     assert all(isinstance(record, CommandPlugin) for record in _COMMANDS.values())
@@ -55,6 +55,7 @@ def test_ups_help_imports_no_command_module() -> None:
         (["validate", "--help"], "_validate"),
         (["plugins"], "_plugins"),
         (["report", "--help"], "_report"),
+        (["export", "--help"], "_export"),
         (["status", "--help"], "_launched"),
         (["cancel", "--help"], "_launched"),
     ],

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
         gather_failures,
     )
     from .engine import EMA, Step, StepError
+    from .engine._model import load_model
     from .launch import (
         AGENT_ENV,
         agent_args,
@@ -185,6 +186,7 @@ _EXPORTS = {
     "read_metrics": ".observe",
     "write_report": ".observe",
     "EMA": ".engine",
+    "load_model": ".engine",
     "Step": ".engine",
     "StepError": ".engine",
     "imported": "._lazy",
@@ -245,6 +247,7 @@ __all__ = [
     "imported",
     "lazy_exports",
     "load_config",
+    "load_model",
     "load_plugins",
     "one_line",
     "one_of",

@@ -1,10 +1,11 @@
 """Loading saved weights into a model that may no longer match them: one line saying which
 parameters differ, where the weights came from, and what to do, instead of torch's error of
-one line per parameter (resume; a warm start reuses it)."""
+one line per parameter (resume, and a warm start: ``model.init_from``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -16,34 +17,54 @@ SHOWN = 3
 
 
 def load_model_state(
-    model: nn.Module, state: Mapping[str, object], *, key: str, source: str, advice: str
-) -> None:
-    """Load ``state`` into ``model`` (strictly), or raise one :class:`ConfigError` at ``key``
-    naming the first differences (a parameter or buffer missing, unexpected, or of another
-    shape), ``source`` (where the state came from) and ``advice`` (what to do)."""
-    problems = differences(model.state_dict(), state)
+    model: nn.Module,
+    state: Mapping[str, object],
+    *,
+    key: str,
+    source: str,
+    advice: str,
+    strict: bool = True,
+) -> Missing:
+    """Load ``state`` into ``model``, or raise one :class:`ConfigError` at ``key`` naming the
+    first differences (a parameter or buffer missing, unexpected, or of another shape),
+    ``source`` (where the state came from) and ``advice`` (what to do). Not ``strict``: only
+    shapes that differ are refused, what fits is loaded; return the names left out."""
+    problems = differences(model.state_dict(), state, names=strict)
     if problems:
         shown = "; ".join(problems[:SHOWN])
         more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
         raise ConfigError(key, f"the model does not match {source}: {shown}{more}; {advice}")
-    model.load_state_dict(state)
+    left_out = model.load_state_dict(state, strict=strict)
+    return Missing(tuple(left_out.missing_keys), tuple(left_out.unexpected_keys))
 
 
-def differences(here: Mapping[str, object], there: Mapping[str, object]) -> list[str]:
+class Missing(NamedTuple):
+    """The names a loose load left out: the model's not in the state, the state's not in the
+    model."""
+
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+
+def differences(
+    here: Mapping[str, object], there: Mapping[str, object], *, names: bool = True
+) -> list[str]:
     """How ``there`` (saved) differs from ``here`` (the model's own state), by name, in the
-    model's order: each name missing from either side, and each tensor of another shape."""
+    model's order: each tensor of another shape and, with ``names``, each name missing from
+    either side."""
     found = []
     for name, tensor in here.items():
         saved = there.get(name)
         if name not in there:
-            found.append(f"{name}: not saved")
+            found += [f"{name}: not saved"] if names else []
         elif (
             isinstance(tensor, torch.Tensor)
             and isinstance(saved, torch.Tensor)
             and tensor.shape != saved.shape
         ):
             found.append(f"{name}: {_shape(saved)} saved, {_shape(tensor)} in the model")
-    found += [f"{name}: saved, not in the model" for name in there if name not in here]
+    if names:
+        found += [f"{name}: saved, not in the model" for name in there if name not in here]
     return found
 
 

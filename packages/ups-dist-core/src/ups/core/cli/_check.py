@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from ..checkpoint._commit import STATE_FILE
-from ..config._config import CheckpointChoice, CommHookChoice, Config, FactoryConfig
+from ..config._config import CheckpointChoice, CommHookChoice, Config
 from ..config._errors import UsageError
 from ..config._user_code import load_object
 from ..config._validate import select_sampler
@@ -506,8 +506,10 @@ def _scratch(
     t, d = config.training, config.distributed
     model = config.model
     if dropout:
-        model = FactoryConfig(
-            factory=DROPOUT_OFF, options={"factory": model.factory, "options": model.options}
+        model = attrs.evolve(
+            model,
+            factory=DROPOUT_OFF,
+            options={"factory": model.factory, "options": model.options},
         )
     return attrs.evolve(
         config,

@@ -1,5 +1,5 @@
-"""The ``ups`` command: ``train``, ``validate``, ``tune``, ``check``, ``report``, ``plugins``,
-and ``launch``, ``status``, ``logs`` and ``cancel`` (through a launcher plugin; see
+"""The ``ups`` command: ``train``, ``validate``, ``tune``, ``check``, ``report``, ``export``,
+``plugins``, and ``launch``, ``status``, ``logs`` and ``cancel`` (through a launcher plugin; see
 :mod:`ups.core.launch._record`), and the commands plugins add (``ups_commands``).
 
 Each built-in command is a :class:`~ups.core.plugin._records.CommandPlugin` record, as a
@@ -56,6 +56,11 @@ _COMMANDS = {
             "report",
             "_report:command",
             "summarise a run folder's metrics and plot them into a PNG",
+        ),
+        _built_in(
+            "export",
+            "_export:command",
+            "write a run's trained weights as a plain state_dict file",
         ),
         _built_in(
             "launch",

@@ -11,8 +11,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -65,6 +66,35 @@ class FactoryConfig:
     factory: str
     """``package.module:callable`` or ``path/to/file.py:callable`` (relative to the config)."""
     options: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class InitFrom:
+    """A warm start: weights the model starts from, loaded once it is built, before the first
+    step; only the weights (not the optimizer, nor where the run stood). A resumed run does
+    not load them again: its checkpoint holds the weights it trained since
+    (:mod:`ups.core.engine._model`)."""
+
+    path: str
+    """A run folder (its newest checkpoint, read through the checkpoint backend its
+    ``config.yaml`` names), a checkpoint folder (``checkpoints/step-<N>``), or a file holding a
+    ``state_dict`` (``ups export``'s); relative to the config's folder."""
+    strict: bool = True
+    """``false``: load the parameters and buffers found on both sides, and log the model's
+    missing and the file's unexpected names in one line each; shapes that differ are refused
+    either way."""
+    weights: Literal["latest", "best", "ema"] = "latest"
+    """Which weights of a run folder (or checkpoint folder): ``latest`` (its newest
+    checkpoint's), ``ema`` (that checkpoint's average of the weights, a run with
+    ``training.ema``); ``best`` is refused until best checkpoints can be read."""
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig(FactoryConfig):
+    """The model: ``factory(**options)`` returns a ``torch.nn.Module``."""
+
+    init_from: InitFrom | None = None
+    """Weights to start from (a warm start); ``null``: the factory's own."""
 
 
 @attrs.frozen(kw_only=True)
@@ -307,7 +337,7 @@ class LaunchChoice(PluginChoice):
 class Config:
     """A whole run's configuration."""
 
-    model: FactoryConfig
+    model: ModelConfig
     data: DataConfig
     eval: EvalConfig | None = None
     """Evaluation data and how often to evaluate; ``null``: no evaluation."""
@@ -481,20 +511,49 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: Path | None = None) -
 
 
 def _resolve_paths(config: Config, base: Path) -> Config:
-    def resolved(section: F) -> F:
-        return attrs.evolve(
-            section, factory=section.factory and resolve_spec(section.factory, base)
-        )
+    """``config`` with its file paths absolute, relative ones taken from ``base``."""
+    return _map_paths(
+        config, lambda spec: resolve_spec(spec, base), lambda path: str((base / path).resolve())
+    )
 
-    data = resolved(config.data)
+
+def relative_paths(config: Config, folder: Path) -> Config:
+    """``config`` (its file paths absolute) with its file paths relative to ``folder``: what
+    a run folder's ``config.yaml`` keeps, so that the folder moved or copied together with the
+    project it names still loads (:func:`load_config` reads them relative to the file)."""
+    here = folder.resolve()
+
+    def relative(path: str) -> str:
+        return os.path.relpath(path, here) if Path(path).is_absolute() else path
+
+    def spec(text: str) -> str:
+        target, sep, attr = text.rpartition(":")
+        return f"{relative(target)}:{attr}" if sep and target.endswith(".py") else text
+
+    return _map_paths(config, spec, relative)
+
+
+def _map_paths(config: Config, spec: Callable[[str], str], path: Callable[[str], str]) -> Config:
+    """``config`` with ``spec`` applied to every ``file.py:callable`` key and ``path`` to
+    every file path (``model.init_from.path``)."""
+
+    def mapped(section: F) -> F:
+        return attrs.evolve(section, factory=section.factory and spec(section.factory))
+
+    data = mapped(config.data)
     if data.loader.collate is not None:
-        collate = resolve_spec(data.loader.collate, base)
-        data = attrs.evolve(data, loader=attrs.evolve(data.loader, collate=collate))
+        data = attrs.evolve(
+            data, loader=attrs.evolve(data.loader, collate=spec(data.loader.collate))
+        )
+    model = mapped(config.model)
+    if model.init_from is not None:
+        init_from = attrs.evolve(model.init_from, path=path(model.init_from.path))
+        model = attrs.evolve(model, init_from=init_from)
     return attrs.evolve(
         config,
-        model=resolved(config.model),
+        model=model,
         data=data,
-        eval=config.eval and resolved(config.eval),
-        metrics=config.metrics and resolved(config.metrics),
-        step=attrs.evolve(config.step, factory=resolve_spec(config.step.factory, base)),
+        eval=config.eval and mapped(config.eval),
+        metrics=config.metrics and mapped(config.metrics),
+        step=attrs.evolve(config.step, factory=spec(config.step.factory)),
     )

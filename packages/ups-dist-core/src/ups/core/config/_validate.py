@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint._files import check_writable
+from ..checkpoint._weights import source_problem
 from ..engine._schedule import schedule_warnings
 from ..engine._step import build_step, has_metrics
 from ..plugin._manager import Registry
@@ -82,6 +84,9 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     :raises ConfigError: at the first key whose value cannot work.
     """
     load_object(config.model.factory, "model.factory")
+    init_from = config.model.init_from
+    if init_from is not None and (found := source_problem(Path(init_from.path), init_from.weights)):
+        raise ConfigError("model.init_from", found)
     load_object(config.data.factory, "data.factory")
     if config.eval is not None:
         load_object(config.eval.factory, "eval.factory")

@@ -1,6 +1,6 @@
 """The training run, for the Python API and for steps of one's own: ``train_rank`` runs a
 config's training on this rank (the ranks' side of ``ups.core.train``), over the parts the
-config builds;
+config builds; ``load_model`` builds a run's model with its trained weights, from its folder;
 ``Step`` is the contract a model's step follows; batches of any structure move with
 ``to_device``; an ``EMA`` of the weights is kept in a run or a loop of one's own; a
 ``Schedule`` of rules (``Rule``) changes training at a step every rank agrees on.
@@ -15,6 +15,7 @@ from .._lazy import lazy_exports
 if TYPE_CHECKING:
     from ._batches import BatchError, batch_size, tensors, to_device
     from ._ema import EMA
+    from ._model import load_model
     from ._optim import step_on_plateau
     from ._run import train, train_rank
     from ._schedule import Action, Plateau, Rule, Schedule, Trigger
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "EMA": "._ema",
+    "load_model": "._model",
     "train": "._run",
     "train_rank": "._run",
     "Step": "._step",
@@ -44,6 +46,7 @@ __all__ = [
     "batch_size",
     "EMA",
     "BatchError",
+    "load_model",
     "Plateau",
     "Rule",
     "Schedule",

@@ -39,6 +39,7 @@ from ._ema import EMA, evaluate_beside
 from ._evaluation import evaluate, val_named
 from ._faults import FaultInjector
 from ._loader import Epoch, StepBatches
+from ._model import warm_start
 from ._optim import MONITOR, is_plateau, step_on_plateau
 from ._parts import Parts, build_parts, run_loader
 from ._resume import Position, Resumed, TrainingState
@@ -216,6 +217,10 @@ class Run:
         self._log_start()
         if self.config.checkpoint.resume == "latest" or self.restarted:
             self._resume()
+        if self._resumed is None and self.config.model.init_from is not None:
+            warm_start(self.parts.model, self.config.model.init_from, self.ctx)  # not on resume
+            if self.ema is not None:
+                self.ema.reset()  # the average starts from the warm weights
         check_in_sync(self.ctx, self.config.digest(), self.step, self.parts.model)
         if self._resumed is not None and not self._steps_left():
             return self._complete()

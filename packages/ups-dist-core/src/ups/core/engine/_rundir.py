@@ -4,8 +4,10 @@ besides checkpoints.
 - ``.lock``: held by rank 0 for the run's life (a POSIX lock, released by the kernel however
   the process ends); it holds the owner's pid and host. A second run on the folder is refused,
   naming that pid; readers (``ups report``) never take it;
-- ``config.yaml``: the resolved configuration (overrides applied, file paths absolute), so a
-  run can be repeated and compared;
+- ``config.yaml``: the resolved configuration (overrides applied), so a run can be repeated
+  and compared; its file paths (``model.factory``'s ``file.py``) relative to the folder, so
+  that the folder moved or copied together with the project it names still loads
+  (:func:`~ups.core.engine._weights.load_model`, ``ups export``);
 - ``metrics.jsonl``: one JSON object a line for every training report and evaluation, with
   ``kind`` (``train`` or ``eval``) and ``step``: one history, each step once. A resumed run
   first drops the lines after the checkpoint it resumes from (:func:`keep_until`): they are
@@ -39,7 +41,7 @@ import structlog
 import yaml
 
 from ..checkpoint._files import write_atomically
-from ..config._config import Config
+from ..config._config import Config, relative_paths
 from ..config._errors import UsageError
 from ..dist._collectives import all_max, decide
 from ..dist._context import RunContext
@@ -68,7 +70,8 @@ class RunFiles:
         self._metrics_fd: int | None = None
         if self.enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
-            text = yaml.safe_dump(_plain(attrs.asdict(config)), sort_keys=False)
+            saved = relative_paths(config, self.folder)
+            text = yaml.safe_dump(_plain(attrs.asdict(saved)), sort_keys=False)
             write_atomically(self.folder / "config.yaml", text)
             (self.folder / PREEMPTED).unlink(missing_ok=True)
 
@@ -77,9 +80,10 @@ class RunFiles:
         return self.folder / "metrics.jsonl"
 
     def metrics(
-        self, kind: Literal["train", "eval"], step: int, values: Mapping[str, float]
+        self, kind: Literal["train", "eval", "best"], step: int, values: Mapping[str, float]
     ) -> None:
-        """Append one line of metrics (NaN written as ``null``), in one write (a kill leaves
+        """Append one line of metrics (``best``: a new best checkpoint, saved at ``step``,
+        and keep-best's monitored value; NaN written as ``null``), in one write (a kill leaves
         whole lines, but for the last), without Python's buffered file on top (a report's
         cost is the engine's, every ``run.log_every`` steps). The file is opened at the first
         line, after a resume has cut it (:func:`keep_until`), and stays open until

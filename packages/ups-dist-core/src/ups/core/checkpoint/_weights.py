@@ -1,0 +1,184 @@
+"""A run's trained weights, read in one process, with no process group: from a run folder
+(its newest checkpoint, read through the checkpoint backend its ``config.yaml`` names), from a
+checkpoint folder (``checkpoints/step-<N>``) or from a file holding a ``state_dict``. A warm
+start (``model.init_from``) loads them into a new run's model, ``ups export`` writes them as a
+plain ``state_dict`` (:func:`export_weights`), and :func:`ups.core.load_model` builds a run's
+model holding them (:mod:`ups.core.engine._model`).
+
+Which weights of a run folder: ``latest``, its newest checkpoint's model; ``ema``, that
+checkpoint's average of the weights (a run with ``training.ema``); ``best`` needs checkpoints
+kept by ``checkpoint.keep_best``, which this version does not keep yet, and is refused.
+
+Everything is read with ``weights_only=True`` (:func:`ups.core.checkpoint.load`): a file that
+would run code to load is refused. The module imports torch only to read:
+:func:`source_problem` is ``ups validate``'s check, which imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import attrs
+
+from ..config._config import load_config
+from ..config._errors import ConfigError, one_of
+from ..plugin._manager import load_plugins
+
+Which = Literal["latest", "best", "ema"]
+"""Which weights of a run folder (see the module doc)."""
+WHICH: tuple[str, ...] = get_args(Which)
+
+RUN_CONFIG = "config.yaml"
+"""A run folder's resolved configuration, which marks a folder as a run's."""
+
+COMMIT_FILE = "COMMIT"
+"""A committed checkpoint's manifest (:data:`ups.core.checkpoint.COMMIT_FILE`, named here
+without importing torch)."""
+
+NOT_SAVED = {"best": "checkpoint.keep_best"}
+"""The weights this version does not save yet, and the key that would save them."""
+
+
+@attrs.frozen
+class Weights:
+    """A model's ``state_dict`` as read, and where from (for messages)."""
+
+    state: dict[str, Any]
+    source: str
+
+
+def source_problem(path: Path, which: str) -> str | None:
+    """Why ``path`` cannot give the weights ``which``, in a phrase, as far as can be told
+    before reading it (no torch needed: a launcher's check before any rank starts); ``None``
+    when it may."""
+    if which not in WHICH:
+        return f"weights {which!r} is not one of {one_of(WHICH)}"
+    if not path.exists():
+        return f"{path} does not exist"
+    kind = _kind(path)
+    if kind is None:
+        return (
+            f"{path} is neither a run folder (with {RUN_CONFIG}), a checkpoint folder (with "
+            f"{COMMIT_FILE}) nor a file holding a state_dict"
+        )
+    if which in NOT_SAVED:
+        return (
+            f"weights {which!r} needs a run saved with {NOT_SAVED[which]}, which this version "
+            "of ups-dist-core does not keep yet; use latest"
+        )
+    if which != "latest" and kind == "file":
+        return f"weights {which!r} is for a run or checkpoint folder; {path} is a file: use latest"
+    return None
+
+
+def run_problem(folder: Path, which: str) -> str | None:
+    """Why ``folder`` is no run folder holding the weights ``which`` (as far as
+    :func:`source_problem` tells); ``None`` when it may be."""
+    problem = source_problem(folder, which)
+    if problem is None and _kind(folder) != "run":
+        return f"{folder} is no run folder (no {RUN_CONFIG} in it)"
+    return problem
+
+
+def read_weights(path: Path, which: str = "latest", *, key: str) -> Weights:
+    """The weights ``which`` of the run folder, checkpoint folder or ``state_dict`` file
+    ``path``, on the CPU, read in this process alone (no collective).
+
+    :param key: the config key or argument naming ``path``, for errors.
+    :raises ConfigError: at ``key``, for a path that holds no such weights.
+    :raises CheckpointError: for a checkpoint that cannot be read (damaged, unsafe:
+        :class:`~ups.core.UnsafeCheckpointError`).
+    """
+    problem = source_problem(path, which)
+    if problem is not None:
+        raise ConfigError(key, problem)
+    kind = _kind(path)
+    if kind == "file":
+        state = _read_file(path)
+        return Weights(
+            _model_of(state, "latest", str(path), key) if _saved(state) else state, str(path)
+        )
+    if kind == "checkpoint":
+        from ._commit import STATE_FILE
+
+        if not (path / STATE_FILE).is_file():
+            raise ConfigError(
+                key,
+                f"{path} has no {STATE_FILE} (its backend keeps the state otherwise, as "
+                "'sharded' does): give its run folder, whose backend reads it",
+            )
+        return Weights(_model_of(_read_file(path / STATE_FILE), which, str(path), key), str(path))
+    return _read_run(path, which, key)
+
+
+def export_weights(source: Path, output: Path, which: str = "latest", *, key: str) -> Weights:
+    """Write the weights ``which`` of ``source`` (:func:`read_weights`) into ``output`` as a
+    plain ``state_dict`` (``torch.load(output, weights_only=True)`` reads it), atomically: a
+    crash leaves the file whole or absent; return what was written."""
+    import torch
+
+    read = read_weights(source, which, key=key)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.{secrets.token_hex(4)}")
+    try:
+        torch.save(read.state, partial)
+        os.replace(partial, output)
+    finally:
+        partial.unlink(missing_ok=True)
+    return read
+
+
+def _kind(path: Path) -> Literal["run", "checkpoint", "file"] | None:
+    if path.is_file():
+        return "file"
+    if (path / RUN_CONFIG).is_file():
+        return "run"
+    if (path / COMMIT_FILE).is_file():
+        return "checkpoint"
+    return None
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    from ._serialize import load
+
+    with open(path, "rb") as file:
+        return load(file, str(path))
+
+
+def _saved(state: dict[str, Any]) -> bool:
+    """Whether ``state`` is a checkpoint's training state (its ``state.pt``), not weights."""
+    return "format" in state and isinstance(state.get("model"), dict)
+
+
+def _model_of(state: dict[str, Any], which: str, source: str, key: str) -> dict[str, Any]:
+    """The weights ``which`` of a checkpoint's training state (``Saved``'s mapping)."""
+    weights = state.get("model")
+    if which == "ema":
+        weights = (state.get("ema") or {}).get("model")
+        if not weights:
+            raise ConfigError(
+                key,
+                f"{source} holds no EMA of the weights: its run had no training.ema; use latest",
+            )
+    if not isinstance(weights, dict):
+        raise ConfigError(key, f"{source} holds no model weights (no 'model' in its state)")
+    return weights
+
+
+def _read_run(folder: Path, which: str, key: str) -> Weights:
+    """The weights of the run folder ``folder``'s newest checkpoint, read through its
+    configured checkpoint backend, built for one process (no process group)."""
+    from ..dist._context import RunContext
+
+    config = load_config(folder / RUN_CONFIG)
+    choice = config.checkpoint
+    where = f"{folder / RUN_CONFIG}: checkpoint"
+    plugin, options = load_plugins().select("checkpoint", choice.name, choice.options, where)
+    checkpointer = plugin.factory(ctx=RunContext(), directory=folder, options=options)
+    loaded = checkpointer.load_latest()
+    if loaded is None:
+        raise ConfigError(key, f"the run folder {folder} holds no committed checkpoint")
+    return Weights(_model_of(loaded.state, which, loaded.location, key), loaded.location)

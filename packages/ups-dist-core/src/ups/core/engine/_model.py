@@ -1,0 +1,87 @@
+"""A model built as a config says and holding saved weights: a run's model out of its folder
+(:func:`load_model`, in one process, with no process group) and a warm start
+(``model.init_from``: :func:`warm_start`, on every rank of a fresh run). The weights are read
+by :mod:`ups.core.checkpoint._weights`; a model that does not fit them is one line naming the
+parameters (:func:`~ups.core.checkpoint._model_state.load_model_state`, as for a resume).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import structlog
+import torch
+from torch import nn
+
+from ..checkpoint._model_state import load_model_state
+from ..checkpoint._weights import RUN_CONFIG, Weights, Which, read_weights, run_problem
+from ..config._config import InitFrom, load_config
+from ..dist._context import RunContext
+from ._parts import build_model
+
+log = structlog.get_logger()
+
+
+def load_model(
+    run_dir: str | os.PathLike[str],
+    *,
+    weights: Which = "latest",
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """The model of the run folder ``run_dir``, built as its ``config.yaml`` says
+    (``model.factory`` and ``model.options``) and holding its weights ``weights`` (see the
+    module doc), on ``device``; in this process, with no process group. The folder may have
+    been moved or copied together with the project its factory paths name (they are kept
+    relative to the folder). It is returned as built (in training mode: call ``.eval()`` to
+    infer).
+
+    :raises ValueError: for a ``run_dir`` that is no run folder, or ``weights`` it lacks.
+    :raises ConfigError: when the model built does not match the saved weights (one line
+        naming the parameters).
+    """
+    folder = Path(run_dir)
+    problem = run_problem(folder, weights)
+    if problem is not None:
+        raise ValueError(f"run_dir: {problem}")
+    model = build_model(load_config(folder / RUN_CONFIG))
+    read = read_weights(folder, weights, key="run_dir")
+    load_model_state(
+        model,
+        read.state,
+        key="run_dir",
+        source=read.source,
+        advice="does model.factory still build the model that was trained?",
+    )
+    return model.to(device)
+
+
+def warm_start(model: nn.Module, init_from: InitFrom, ctx: RunContext) -> Weights:
+    """Load ``model.init_from``'s weights into ``model`` (on this rank: every rank reads them
+    itself, as a resume does); not ``strict``, rank 0 logs the names left out, one line for
+    the model's missing ones and one for the file's unexpected ones.
+
+    :raises ConfigError: at ``model.init_from``, for weights that do not fit (one line).
+    """
+    read = read_weights(Path(init_from.path), init_from.weights, key="model.init_from.path")
+    left = load_model_state(
+        model,
+        read.state,
+        key="model.init_from",
+        source=read.source,
+        advice="start from weights of this model, or set model.init_from.strict: false to "
+        "load the names both have (shapes must still agree)",
+        strict=init_from.strict,
+    )
+    if ctx.is_main:
+        if left.missing:
+            log.warning(
+                f"model.init_from: not in {read.source}, left as built: {', '.join(left.missing)}"
+            )
+        if left.unexpected:
+            log.warning(
+                f"model.init_from: in {read.source}, not in the model, ignored: "
+                f"{', '.join(left.unexpected)}"
+            )
+        log.info("warm start: the model starts from saved weights", source=read.source)
+    return read
