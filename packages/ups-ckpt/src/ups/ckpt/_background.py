@@ -58,9 +58,10 @@ class InBackground:
         *,
         step: int,
         rank_state: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
     ) -> str:
-        """Wait for the save before, copy the states, start writing them; return where the
-        checkpoint will be once committed.
+        """Wait for the save before, copy the states, start writing them (and ``metrics``,
+        recorded with them); return where the checkpoint will be once committed.
 
         :raises ArgumentTypeError: (a ``TypeError``) at once, for a ``state`` or ``rank_state``
             that is not a mapping (``None``: no rank state).
@@ -69,7 +70,11 @@ class InBackground:
         self.wait()
         staged = self._stager.stage({"state": state, "rank_state": rank_state})
         self._in_flight = self._writer.submit(
-            self.inner.save, staged["state"], step=step, rank_state=staged["rank_state"]
+            self.inner.save,
+            staged["state"],
+            step=step,
+            rank_state=staged["rank_state"],
+            metrics=metrics,
         )
         return self.inner.location(step)
 

@@ -185,6 +185,7 @@ class FsspecCheckpointer(Committing):
             group=group,
             keep_last=options.keep_last,
             keep_every=options.keep_every,
+            keep_best=options.keep_best,
         )
         self.options = options
         self.url = url

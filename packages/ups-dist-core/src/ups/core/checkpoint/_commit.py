@@ -11,9 +11,11 @@ rank 0 stages the checkpoint (:meth:`CheckpointStorage.stage`); every rank write
 there (rank 0 the replicated state, each rank its own); all ranks learn whether any rank failed
 (if one did, every rank raises, naming it, and what was staged is deleted); the records of the
 files written (size and CRC-32) are gathered to rank 0, which checks that the staged files are
-there at their sizes, commits the checkpoint as ``step-<N>`` with its ``COMMIT`` manifest,
-points ``latest`` at it and deletes what retention lets go
-(:func:`~ups.core.checkpoint._retention.expired`). A checkpoint without a readable ``COMMIT`` is never
+there at their sizes, commits the checkpoint as ``step-<N>`` with its ``COMMIT`` manifest
+(and the evaluated values it was saved for), points ``latest`` at it, with keep-best points
+``best`` at the best checkpoint (:mod:`~ups.core.checkpoint._best`: ranked by the values the
+manifests record) and deletes what retention lets go
+(:func:`~ups.core.checkpoint._retention.expired`), never a best one. A checkpoint without a readable ``COMMIT`` is never
 loaded. Loading takes the checkpoint ``latest`` names if its files match the manifest's sizes
 and CRC-32s, else the newest committed one that does (with a warning naming each damaged one
 skipped), read by every rank, a failure on any rank raised on every rank. Every collective
@@ -38,6 +40,7 @@ from ..config._arguments import saved_rank_state, wrong_type
 from ..dist._collectives import Agreement
 from ..dist._context import RunContext
 from ..plugin._records import Loaded
+from ._best import BEST_POINTER, KeepBest, ranked
 from ._errors import CheckpointError, disk_full, failing, on_main
 from ._manifest import Manifest, read_committed
 from ._retention import prune
@@ -179,6 +182,8 @@ class Committing:
     :param group: the process group its collectives use (``None``: the default one).
     :param keep_last: how many of the newest committed checkpoints to keep (``None``: all).
     :param keep_every: also keep every checkpoint whose step is a multiple of it.
+    :param keep_best: keep the best checkpoints by the value it monitors, of those saved
+        with it (``save``'s ``metrics``), apart from ``keep_last``; point ``best`` at the best.
     :raises ArgumentTypeError: (a ``TypeError``) for a ``storage`` that lacks a method of a
         :class:`CheckpointStorage`, naming them.
     """
@@ -197,6 +202,7 @@ class Committing:
         group: dist.ProcessGroup | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        keep_best: KeepBest | None = None,
     ) -> None:
         missing = [name for name in STORAGE_METHODS if not callable(getattr(storage, name, None))]
         if missing:
@@ -208,6 +214,7 @@ class Committing:
         self._where = where
         self._keep_last = keep_last
         self._keep_every = keep_every
+        self.keep_best = keep_best
 
     # -- the Checkpointer protocol ------------------------------------------------------------
 
@@ -217,9 +224,11 @@ class Committing:
         *,
         step: int,
         rank_state: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
     ) -> str:
         """Save rank 0's ``state`` and every rank's ``rank_state`` (``None``: none, loaded
-        back as ``{}``) as checkpoint ``step``.
+        back as ``{}``) as checkpoint ``step``, its manifest recording rank 0's ``metrics``
+        (the evaluated values it is saved for: keep-best ranks it by its monitored one).
 
         A collective: every rank calls it. Returns where it was committed, on every rank.
 
@@ -250,7 +259,8 @@ class Committing:
                 self._discard(staged)
             raise
         files = self._gather(written)
-        return self._on_main(what, lambda: self._commit(staged, step, files))
+        recorded = dict(metrics or {})
+        return self._on_main(what, lambda: self._commit(staged, step, files, recorded))
 
     def load_latest(self) -> Loaded | None:
         """Load the checkpoint ``latest`` names, else the newest committed one that verifies,
@@ -361,8 +371,11 @@ class Committing:
         dist.gather_object(obj, gathered, dst=0, group=self.group)
         return gathered or []
 
-    def _commit(self, staged: str, step: int, files: dict[str, FileRecord]) -> str:
-        """Check the staged files, commit with the manifest, point ``latest``, retain."""
+    def _commit(
+        self, staged: str, step: int, files: dict[str, FileRecord], metrics: dict[str, float]
+    ) -> str:
+        """Check the staged files, commit with the manifest, point ``latest`` (and ``best``),
+        retain."""
         try:
             self._verify(staged, files)
             manifest = Manifest(
@@ -370,6 +383,7 @@ class Committing:
                 world_size=self.ctx.world_size,
                 files=files,
                 saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                metrics=metrics,
             )
             self.storage.commit(staged, step, manifest.to_json())
         except BaseException:
@@ -377,15 +391,33 @@ class Committing:
             raise
         key = step_key(step)
         self.storage.set_pointer(LATEST_FILE, key)
+        committed = self.committed()
+        best = self._best(committed)
+        if best:
+            self.storage.set_pointer(BEST_POINTER, step_key(best[0]))
         prune(
-            {c.step: c.where for c in self.committed()},
+            {c.step: c.where for c in committed},
             self.storage.remove,
             keep_last=self._keep_last,
             keep_every=self._keep_every,
             protected=step,
+            kept=best,
             named=self.storage.location,
         )
         return self.storage.location(key)
+
+    def _best(self, committed: Iterable[Committed]) -> list[int]:
+        """The steps of the best checkpoints ``committed`` by keep-best's monitored value, as
+        their manifests record it, best first (none without keep-best)."""
+        keep = self.keep_best
+        if keep is None:
+            return []
+        scores = {
+            c.step: c.manifest.metrics[keep.monitor]
+            for c in committed
+            if keep.monitor in c.manifest.metrics
+        }
+        return ranked(scores, keep)
 
     def _verify(self, staged: str, files: dict[str, FileRecord]) -> None:
         """Check that the storage has every staged file at the size recorded as it was

@@ -38,6 +38,9 @@ class Manifest:
     """Every file of the checkpoint but the manifest, by its path relative to the checkpoint."""
     saved_at: str = ""
     """When rank 0 committed it, ISO 8601 in UTC."""
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    """The evaluated values it was saved for, by name (keep-best's monitored value: see
+    :mod:`ups.core.checkpoint._best`); ``{}`` for a checkpoint saved for no evaluation."""
     format: int = FORMAT
 
     def to_json(self) -> str:
@@ -57,11 +60,17 @@ class Manifest:
             for name, record in files.items()
         ):
             raise ValueError("files must map relative file paths to {size, crc32}")
+        metrics = data.get("metrics", {})
+        if not isinstance(metrics, dict) or not all(
+            isinstance(name, str) and _is_number(value) for name, value in metrics.items()
+        ):
+            raise ValueError("metrics must map names to numbers")
         return cls(
             step=step,
             world_size=world_size,
             files={name: FileRecord(r["size"], r["crc32"]) for name, r in files.items()},
             saved_at=str(data.get("saved_at", "")),
+            metrics={name: float(value) for name, value in metrics.items()},
         )
 
 
@@ -90,6 +99,10 @@ def _is_record(value: object) -> bool:
         and set(value) == {"size", "crc32"}
         and all(_is_int(v) and v >= 0 for v in value.values())
     )
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -163,6 +163,7 @@ class SimpleCheckpointer(Committing):
             group=group,
             keep_last=options.keep_last,
             keep_every=options.keep_every,
+            keep_best=options.keep_best,
         )
         self.options = options
 

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..checkpoint._best import KEY as KEEP_BEST
+from ..checkpoint._best import keep_best
 from ..checkpoint._files import check_writable
 from ..checkpoint._weights import source_problem
 from ..engine._schedule import schedule_warnings
@@ -141,7 +143,9 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
                     "counts evaluations during training, and this run evaluates at the end "
                     "only, if at all; set eval.every_steps",
                 )
-    check_plateaus(config, metrics=config.metrics is not None or has_metrics(step))
+    metrics = config.metrics is not None or has_metrics(step)
+    check_plateaus(config, metrics=metrics)
+    check_keep_best(config, metrics=metrics)
     warnings = schedule_warnings(config.schedule, max_steps=t.max_steps)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if cores and nproc > cores:
@@ -204,17 +208,45 @@ def check_plateaus(config: Config, *, metrics: bool) -> None:
                 )
         monitor = t.scheduler_options.get("monitor", "val_loss")
         monitors.append(("training.scheduler_options.monitor", monitor))
+    for key, monitor in monitors:
+        check_monitor(config, key, monitor, metrics=metrics)
+
+
+def check_keep_best(config: Config, *, metrics: bool) -> None:
+    """Refuse a ``checkpoint.options.keep_best`` without an evaluation (``eval: null``), or
+    monitoring a value the evaluation never reports (see :func:`check_monitor`).
+
+    :raises ConfigError: naming the key.
+    """
+    keep = keep_best(config.checkpoint.options)
+    if keep is None:
+        return
+    if config.eval is None:
+        raise ConfigError(
+            KEEP_BEST,
+            "ranks checkpoints by an evaluated value, and this run has no evaluation "
+            "(eval: null); set eval, or drop keep_best",
+        )
+    check_monitor(config, f"{KEEP_BEST}.monitor", keep.monitor, metrics=metrics)
+
+
+def check_monitor(config: Config, key: str, monitor: str, *, metrics: bool) -> None:
+    """Refuse a ``monitor`` at ``key`` that the run's evaluation never reports, naming what
+    it does report (with ``metrics``, the names of the run's metrics are known at the first
+    evaluation only, which checks them then: any ``val_<name>`` passes here).
+
+    :raises ConfigError: naming ``key``.
+    """
     tasks = config.data.tasks
     known = {"val_loss", "val_samples"} | {f"val_loss/{task}" for task in tasks if len(tasks) > 1}
-    for key, monitor in monitors:
-        if monitor in known or (metrics and monitor.startswith("val_")):
-            continue
-        also = ", val_<metric> for each metric the step reports" if metrics else ""
-        raise ConfigError(
-            key,
-            f"{monitor!r} is not reported by the run's evaluation; it reports: "
-            f"{', '.join(sorted(known))}{also}{did_you_mean(monitor, known)}",
-        )
+    if monitor in known or (metrics and monitor.startswith("val_")):
+        return
+    also = ", val_<metric> for each metric the step reports" if metrics else ""
+    raise ConfigError(
+        key,
+        f"{monitor!r} is not reported by the run's evaluation; it reports: "
+        f"{', '.join(sorted(known))}{also}{did_you_mean(monitor, known)}",
+    )
 
 
 def plateau_scheduler(name: str | None) -> bool:

@@ -11,9 +11,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ..config._errors import ConfigError, did_you_mean, one_of
 from ..config._user_code import load_object
-from ..dist._collectives import decide
 from ..dist._context import RunContext
-from ._schedule import monitored
+from ._schedule import agreed_value
 
 
 def _classes(module: object, base: type) -> dict[str, type]:
@@ -114,9 +113,7 @@ def step_on_plateau(
     :raises ConfigError: on every rank, before the collective, when ``values`` has no
         ``monitor`` (naming ``training.scheduler_options.monitor`` and the values it has).
     """
-    monitored(values, monitor, f"training.scheduler_options.{MONITOR}")
-    value = decide(ctx, lambda: float(values[monitor]))
-    scheduler.step(value)
+    scheduler.step(agreed_value(ctx, values, monitor, f"training.scheduler_options.{MONITOR}"))
 
 
 def _parameters(cls: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:

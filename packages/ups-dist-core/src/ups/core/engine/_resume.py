@@ -78,6 +78,9 @@ class Saved:
     """``{}`` without a scheduler."""
     scaler: dict[str, Any]
     schedule: dict[str, Any]
+    best: dict[int, float] = attrs.field(factory=dict)
+    """Keep-best's kept checkpoints' steps and monitored values (``checkpoint.options.keep_best``);
+    ``{}`` without it."""
     step: int
     epoch: int
     epoch_left: int
@@ -159,6 +162,8 @@ class TrainingState:
     scheduler: LRScheduler | None
     scaler: torch.amp.GradScaler
     schedule: Schedule
+    best: dict[int, float] = attrs.field(factory=dict)
+    """Keep-best's kept checkpoints, ``{step: monitored value}``: saved and restored in place."""
     sampler: Any
     dataset: Any
     checkpointer: Checkpointer
@@ -166,8 +171,9 @@ class TrainingState:
     faults: FaultInjector
     ema: EMA | None = None
 
-    def save(self, position: Position) -> str:
-        """Save a checkpoint at ``position``; return where it went."""
+    def save(self, position: Position, metrics: Mapping[str, float] | None = None) -> str:
+        """Save a checkpoint at ``position`` (for the evaluated ``metrics``: keep-best's
+        best); return where it went."""
         step = position.step
         state_dict = getattr(self.comm_state, "state_dict", None)
         own = RankSaved(
@@ -182,6 +188,7 @@ class TrainingState:
             scheduler=self.scheduler.state_dict() if self.scheduler is not None else {},
             scaler=self.scaler.state_dict(),
             schedule=self.schedule.state_dict(),
+            best=dict(self.best),
             step=step,
             epoch=position.epoch,
             epoch_left=position.epoch_left,
@@ -196,7 +203,9 @@ class TrainingState:
             ema=self.ema.state_dict() if self.ema is not None else {},
         )
         with self.faults.saving(step):
-            location = self.checkpointer.save(saved.to_dict(), step=step, rank_state=own.to_dict())
+            location = self.checkpointer.save(
+                saved.to_dict(), step=step, rank_state=own.to_dict(), metrics=metrics
+            )
         self.hook.ups_checkpoint_saved(ctx=self.ctx, step=step, location=location)
         log.info("checkpoint saved", step=step, location=location)
         return location
@@ -224,6 +233,8 @@ class TrainingState:
             advice="start afresh (checkpoint.resume: none) or in another run folder (run.name)",
         )
         self.optimizer.load_state_dict(state.optimizer)
+        self.best.clear()  # keep-best's, in place: the run holds it
+        self.best.update(state.best)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state.scheduler)
         self.scaler.load_state_dict(state.scaler)

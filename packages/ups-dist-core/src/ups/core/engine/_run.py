@@ -21,6 +21,8 @@ import attrs
 import structlog
 from pluggy import HookRelay
 
+from ..checkpoint._best import KEY as KEEP_BEST
+from ..checkpoint._best import admit, keep_best
 from ..config._config import Config
 from ..dist._collectives import all_max
 from ..dist._context import RunContext
@@ -44,7 +46,7 @@ from ._optim import MONITOR, is_plateau, step_on_plateau
 from ._parts import Parts, build_parts, run_loader
 from ._resume import Position, Resumed, TrainingState
 from ._rundir import RunFiles, own_run_dir
-from ._schedule import Schedule, apply_lr_multiplier
+from ._schedule import Schedule, agreed_value, apply_lr_multiplier
 from ._step import has_metrics
 from ._update import Forward, Stepper
 
@@ -156,6 +158,8 @@ class Run:
         self._grad_norm = float("nan")
         self._location: str | None = None
         self._saved_at = -1
+        self.keep_best = keep_best(config.checkpoint.options)
+        """``checkpoint.options.keep_best``, or ``None``."""
         self._resumed: Resumed | None = None
         signals = (signal.Signals[name] for name in config.checkpoint.preempt_signals)
         self.preemption = Preemption(ctx, signals)
@@ -272,10 +276,11 @@ class Run:
             self.reporter.start(self.step, self.position.epoch, self._extra)
         self.reporter.finish(self.step)
         evaluates = self.parts.eval_loader is not None and not preempted
+        best = None
         if evaluates and self.evaluated_at != self.step:
-            self._evaluate()
-        if self._saved_at != self.step:
-            self._checkpoint()
+            best = self._admit(val_named(self._evaluate()))
+        if self._saved_at != self.step or best:
+            self._checkpoint(best)
         assert self.parts.checkpointer is not None  # built to train
         self.parts.checkpointer.wait()
 
@@ -395,9 +400,10 @@ class Run:
         )
         if decision is not None and decision.lr_multiplier is not None:
             apply_lr_multiplier(self.parts.optimizer, decision.lr_multiplier, self.parts.scheduler)
+        best = self._admit(values)
         every = self.config.checkpoint.every_steps
-        if (every and self.step % every == 0) or (decision and decision.save):
-            self._checkpoint()
+        if (every and self.step % every == 0) or (decision and decision.save) or best:
+            self._checkpoint(best)
         check = self.config.distributed.desync_check_every
         if check and self.step % check == 0:
             check_in_sync(ctx, self.config.digest(), self.step, self.parts.model)
@@ -418,9 +424,30 @@ class Run:
             extra["grad_norm"] = self._grad_norm
         return extra
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, best: dict[str, float] | None = None) -> None:
+        """Save this step (for ``best``: keep-best's monitored value, as :meth:`_admit` gives
+        it); a new best is written to ``metrics.jsonl``, where ``ups report`` names it."""
         self.reporter.check_finite(self.step)
-        self._location, self._saved_at = self.state.save(self.position), self.step
+        self._location, self._saved_at = self.state.save(self.position, best), self.step
+        if best is not None and next(iter(self.state.best)) == self.step:
+            self.reporter.files.metrics("best", self.step, best)
+            log.info("best checkpoint", step=self.step, location=self._location, **best)
+
+    def _admit(self, values: dict[str, float] | None) -> dict[str, float] | None:
+        """With keep-best, after an evaluation (``values``: its values, by their ``val_``
+        names): whether its monitored value (rank 0's, on every rank) enters the best kept,
+        as ``{monitor: value}`` for the checkpoint to record, the kept set updated; else
+        ``None``."""
+        keep = self.keep_best
+        if keep is None or values is None:
+            return None
+        value = agreed_value(self.ctx, values, keep.monitor, f"{KEEP_BEST}.monitor")
+        kept = admit(self.state.best, self.step, value, keep)
+        if kept is None:
+            return None
+        self.state.best.clear()
+        self.state.best.update(kept)
+        return {keep.monitor: value}
 
     def _maybe_evaluate(self) -> dict[str, float] | None:
         """Evaluate if this step is an evaluation step; return the metrics (the same on every

@@ -52,6 +52,7 @@ __all__ = [
     "Schedule",
     "Trigger",
     "Watch",
+    "agreed_value",
     "apply_lr_multiplier",
     "has_action",
     "has_trigger",
@@ -304,6 +305,20 @@ def monitored(values: Mapping[str, float], name: str, key: str) -> float:
             f"{', '.join(sorted(values))}{did_you_mean(name, values)}",
         )
     return values[name]
+
+
+def agreed_value(ctx: RunContext, values: Mapping[str, float], name: str, key: str) -> float:
+    """The value ``name`` of an evaluation's ``values`` as rank 0 reads it, on every rank (what a
+    plateau scheduler steps with, what keep-best ranks). A collective every rank calls after
+    the same evaluations.
+
+    :raises ConfigError: on every rank, before the collective, when ``values`` has no ``name``
+        (see :func:`monitored`).
+    """
+    monitored(values, name, key)
+    from ..dist import _collectives as collectives
+
+    return collectives.decide(ctx, lambda: float(values[name]))
 
 
 def _reason(when: Trigger, step: int, val_loss: float | None) -> Reason | None:

@@ -132,8 +132,9 @@ def run_name(run_dir: Path) -> str:
 def summary(records: Sequence[Record], name: str) -> str:
     """A plain two-column table: the run's name, its last step, the final training loss and
     metrics of the step (each overall and per task, a metric reduced to one number too), the
-    best and final evaluation loss (with their steps) and the final evaluation metrics, the
-    median throughput and the OOM-skipped batches. Rows whose metrics the records lack are left
+    best and final evaluation loss (with their steps) and the final evaluation metrics,
+    keep-best's best checkpoint (a ``best`` record: its step and value), the median
+    throughput and the OOM-skipped batches. Rows whose metrics the records lack are left
     out. Needs no matplotlib.
     """
     train, evals = _by_step(records, "train"), _by_step(records, "eval")
@@ -153,6 +154,10 @@ def summary(records: Sequence[Record], name: str) -> str:
             best = min(((v, s) for s, v in series if not math.isnan(v)), default=None)
             best_text = f"{_number(best[0])} (step {best[1]})" if best else "n/a"
             rows.append((f"eval {key}", f"best {best_text}, {final}"))
+    kept = _by_step(records, "best")
+    if kept:  # keep-best's: each line a new best checkpoint, the last the best kept
+        step, (monitor, value) = kept[-1]["step"], _values(kept[-1])[0]
+        rows.append(("best checkpoint", f"step {step}, {monitor} {_number(value)}"))
     throughput = [v for _, v in _series(train, "samples_per_s") if not math.isnan(v)]
     if throughput:
         rows.append(("throughput", f"{statistics.median(throughput):,.1f} samples/s (median)"))
@@ -161,6 +166,11 @@ def summary(records: Sequence[Record], name: str) -> str:
         rows.append(("oom-skipped", f"{skipped} batches"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
+
+
+def _values(record: Record) -> list[tuple[str, float]]:
+    """A record's values: every key but ``kind`` and ``step``."""
+    return [(key, value) for key, value in record.items() if key not in ("kind", "step")]
 
 
 def _steps(records: Sequence[Record], train: list[Record], evals: list[Record]) -> str:

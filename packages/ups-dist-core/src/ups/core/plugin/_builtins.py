@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from .._lazy import imported
+from ..checkpoint._best import KeepBest
 from ..checkpoint._files import check_writable
 from ..config._structure import at_least
 from ._markers import hookimpl_default
@@ -49,6 +50,10 @@ class SimpleCheckpointOptions:
     save commits (``null``: keep all). The checkpoint ``latest`` names is never deleted."""
     keep_every: int | None = attrs.field(default=None, validator=at_least(1))
     """Also keep every checkpoint whose step is a multiple of this (``null``: none kept for it)."""
+    keep_best: KeepBest | None = None
+    """Also keep the best ``count`` checkpoints by an evaluated value, ``monitor`` (``mode``:
+    ``min`` or ``max``), each saved at the evaluation that brought it, never deleted, the
+    best named by the pointer ``best`` (``null``: none kept for it); needs ``eval``."""
 
 
 @attrs.frozen(kw_only=True)

@@ -153,9 +153,12 @@ class Checkpointer(Protocol):
         *,
         step: int,
         rank_state: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
     ) -> str:
         """Save ``state`` (replicated: rank 0's is kept) and each rank's own ``rank_state``
         (``None``: none) as checkpoint ``step``; return where it goes, the same on every rank.
+        ``metrics``: the evaluated values the checkpoint is saved for, passed only with the
+        backend's ``keep_best`` option (the commit protocol records and ranks them).
 
         A backend that writes in the background returns once the state is staged (copied),
         before it is committed; its failure is raised by the next ``save`` or ``wait``.
