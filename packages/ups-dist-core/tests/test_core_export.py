@@ -82,10 +82,39 @@ def test_export_refuses_what_it_cannot_export_in_one_line(tmp_path: Path) -> Non
     best = run_ups("export", str(tmp_path / "empty"), "--weights", "best", "--output", output)
     assert best.returncode == 2
     assert best.stderr.strip().splitlines() == [
-        "ups: error: RUN_DIR: weights 'best' needs a run saved with checkpoint.keep_best, "
+        "ups: error: --weights: weights 'best' needs a run saved with checkpoint.keep_best, "
         "which this version of ups-dist-core does not keep yet; use latest"
     ]
     assert not Path(output).exists()
+
+
+def test_a_weights_choice_the_source_cannot_give_is_one_line_naming_weights(
+    tmp_path: Path,
+) -> None:
+    """``--weights`` (``weights``, ``model.init_from.weights``) is named for a choice of
+    weights its source lacks: an EMA of a file's, or of a checkpoint of a run without one."""
+    from ups.core import load_model
+
+    folder = tmp_path / "step-1"
+    folder.mkdir()
+    torch.save({"format": 1, "model": torch.nn.Linear(2, 2).state_dict()}, folder / "state.pt")
+    (folder / "COMMIT").write_text("{}")
+    output = str(tmp_path / "model.pt")
+    for source, said in [
+        (
+            folder / "state.pt",
+            f"weights 'ema' is for a run or checkpoint folder; {folder / 'state.pt'} is a "
+            "file: use latest",
+        ),
+        (folder, f"{folder} holds no EMA of the weights: its run had no training.ema; use latest"),
+    ]:
+        result = run_ups("export", str(source), "--weights", "ema", "--output", output)
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [f"ups: error: --weights: {said}"]
+    assert not Path(output).exists()
+    (tmp_path / "config.yaml").write_text("{}")
+    with pytest.raises(ValueError, match=r"^weights: weights 'best' needs a run saved with"):
+        load_model(tmp_path, weights="best")
 
 
 def test_load_model_refuses_a_folder_that_is_no_run_folder(tmp_path: Path) -> None:

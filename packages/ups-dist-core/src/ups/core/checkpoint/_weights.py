@@ -53,53 +53,75 @@ class Weights:
 def source_problem(path: Path, which: str) -> str | None:
     """Why ``path`` cannot give the weights ``which``, in a phrase, as far as can be told
     before reading it (no torch needed: a launcher's check before any rank starts); ``None``
-    when it may."""
-    if which not in WHICH:
-        return f"weights {which!r} is not one of {one_of(WHICH)}"
+    when it may: :func:`path_problem`, then :func:`weights_problem`."""
+    return path_problem(path) or weights_problem(path, which)
+
+
+def path_problem(path: Path) -> str | None:
+    """Why ``path`` is no source of weights at all (not there, or neither a run folder, a
+    checkpoint folder nor a file); ``None`` when it may be one."""
     if not path.exists():
         return f"{path} does not exist"
-    kind = _kind(path)
-    if kind is None:
+    if _kind(path) is None:
         return (
             f"{path} is neither a run folder (with {RUN_CONFIG}), a checkpoint folder (with "
             f"{COMMIT_FILE}) nor a file holding a state_dict"
         )
+    return None
+
+
+def weights_problem(path: Path, which: str) -> str | None:
+    """Why the source ``path`` (one :func:`path_problem` finds none in) cannot give the
+    weights ``which`` (a problem of the choice of weights, named at its own key); ``None``
+    when it may."""
+    if which not in WHICH:
+        return f"weights {which!r} is not one of {one_of(WHICH)}"
     if which in NOT_SAVED:
         return (
             f"weights {which!r} needs a run saved with {NOT_SAVED[which]}, which this version "
             "of ups-dist-core does not keep yet; use latest"
         )
-    if which != "latest" and kind == "file":
+    if which != "latest" and _kind(path) == "file":
         return f"weights {which!r} is for a run or checkpoint folder; {path} is a file: use latest"
     return None
 
 
-def run_problem(folder: Path, which: str) -> str | None:
-    """Why ``folder`` is no run folder holding the weights ``which`` (as far as
-    :func:`source_problem` tells); ``None`` when it may be."""
-    problem = source_problem(folder, which)
+def run_problem(folder: Path) -> str | None:
+    """Why ``folder`` is no run folder (as far as :func:`path_problem` tells, and a
+    ``config.yaml`` in it); ``None`` when it may be one."""
+    problem = path_problem(folder)
     if problem is None and _kind(folder) != "run":
         return f"{folder} is no run folder (no {RUN_CONFIG} in it)"
     return problem
 
 
-def read_weights(path: Path, which: str = "latest", *, key: str) -> Weights:
+def read_weights(
+    path: Path, which: str = "latest", *, key: str, weights_key: str | None = None
+) -> Weights:
     """The weights ``which`` of the run folder, checkpoint folder or ``state_dict`` file
     ``path``, on the CPU, read in this process alone (no collective).
 
     :param key: the config key or argument naming ``path``, for errors.
-    :raises ConfigError: at ``key``, for a path that holds no such weights.
+    :param weights_key: the one naming ``which``, for errors of the choice of weights
+        (:func:`weights_problem`, an EMA the run did not keep); default: ``key``.
+    :raises ConfigError: at ``key``, for a path that holds no weights; at ``weights_key``,
+        for one that holds no weights ``which``.
     :raises CheckpointError: for a checkpoint that cannot be read (damaged, unsafe:
         :class:`~ups.core.UnsafeCheckpointError`).
     """
-    problem = source_problem(path, which)
+    problem = path_problem(path)
     if problem is not None:
         raise ConfigError(key, problem)
+    weights_key = weights_key or key
+    problem = weights_problem(path, which)
+    if problem is not None:
+        raise ConfigError(weights_key, problem)
     kind = _kind(path)
     if kind == "file":
         state = _read_file(path)
         return Weights(
-            _model_of(state, "latest", str(path), key) if _saved(state) else state, str(path)
+            _model_of(state, "latest", str(path), key, weights_key) if _saved(state) else state,
+            str(path),
         )
     if kind == "checkpoint":
         from ._commit import STATE_FILE
@@ -110,17 +132,21 @@ def read_weights(path: Path, which: str = "latest", *, key: str) -> Weights:
                 f"{path} has no {STATE_FILE} (its backend keeps the state otherwise, as "
                 "'sharded' does): give its run folder, whose backend reads it",
             )
-        return Weights(_model_of(_read_file(path / STATE_FILE), which, str(path), key), str(path))
-    return _read_run(path, which, key)
+        return Weights(
+            _model_of(_read_file(path / STATE_FILE), which, str(path), key, weights_key), str(path)
+        )
+    return _read_run(path, which, key, weights_key)
 
 
-def export_weights(source: Path, output: Path, which: str = "latest", *, key: str) -> Weights:
+def export_weights(
+    source: Path, output: Path, which: str = "latest", *, key: str, weights_key: str | None = None
+) -> Weights:
     """Write the weights ``which`` of ``source`` (:func:`read_weights`) into ``output`` as a
     plain ``state_dict`` (``torch.load(output, weights_only=True)`` reads it), atomically: a
     crash leaves the file whole or absent; return what was written."""
     import torch
 
-    read = read_weights(source, which, key=key)
+    read = read_weights(source, which, key=key, weights_key=weights_key)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.{secrets.token_hex(4)}")
     try:
@@ -153,14 +179,17 @@ def _saved(state: dict[str, Any]) -> bool:
     return "format" in state and isinstance(state.get("model"), dict)
 
 
-def _model_of(state: dict[str, Any], which: str, source: str, key: str) -> dict[str, Any]:
-    """The weights ``which`` of a checkpoint's training state (``Saved``'s mapping)."""
+def _model_of(
+    state: dict[str, Any], which: str, source: str, key: str, weights_key: str
+) -> dict[str, Any]:
+    """The weights ``which`` of a checkpoint's training state (``Saved``'s mapping); no EMA
+    is an error at ``weights_key``, no weights at all at ``key``."""
     weights = state.get("model")
     if which == "ema":
         weights = (state.get("ema") or {}).get("model")
         if not weights:
             raise ConfigError(
-                key,
+                weights_key,
                 f"{source} holds no EMA of the weights: its run had no training.ema; use latest",
             )
     if not isinstance(weights, dict):
@@ -168,7 +197,7 @@ def _model_of(state: dict[str, Any], which: str, source: str, key: str) -> dict[
     return weights
 
 
-def _read_run(folder: Path, which: str, key: str) -> Weights:
+def _read_run(folder: Path, which: str, key: str, weights_key: str) -> Weights:
     """The weights of the run folder ``folder``'s newest checkpoint, read through its
     configured checkpoint backend, built for one process (no process group)."""
     from ..dist._context import RunContext
@@ -181,4 +210,6 @@ def _read_run(folder: Path, which: str, key: str) -> Weights:
     loaded = checkpointer.load_latest()
     if loaded is None:
         raise ConfigError(key, f"the run folder {folder} holds no committed checkpoint")
-    return Weights(_model_of(loaded.state, which, loaded.location, key), loaded.location)
+    return Weights(
+        _model_of(loaded.state, which, loaded.location, key, weights_key), loaded.location
+    )

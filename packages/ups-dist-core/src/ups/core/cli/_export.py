@@ -34,6 +34,8 @@ def command(parser: argparse.ArgumentParser) -> CommandRunner:
 
 def _export(args: argparse.Namespace) -> int:
     """``ups export``: write the weights, say where from."""
-    read = export_weights(args.run_dir, args.output, args.weights, key="RUN_DIR")
+    read = export_weights(
+        args.run_dir, args.output, args.weights, key="RUN_DIR", weights_key="--weights"
+    )
     print(f"ups: wrote the weights of {read.source} to {args.output}")
     return EXIT_OK

@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from ..checkpoint._model_state import load_model_state
-from ..checkpoint._weights import RUN_CONFIG, Weights, Which, read_weights, run_problem
+from ..checkpoint._weights import (
+    RUN_CONFIG,
+    Weights,
+    Which,
+    read_weights,
+    run_problem,
+    weights_problem,
+)
 from ..config._config import InitFrom, load_config
 from ..dist._context import RunContext
 from ._parts import build_model
@@ -36,16 +43,20 @@ def load_model(
     relative to the folder). It is returned as built (in training mode: call ``.eval()`` to
     infer).
 
-    :raises ValueError: for a ``run_dir`` that is no run folder, or ``weights`` it lacks.
+    :raises ValueError: for a ``run_dir`` that is no run folder (naming ``run_dir``), or
+        ``weights`` it cannot give (naming ``weights``).
     :raises ConfigError: when the model built does not match the saved weights (one line
-        naming the parameters).
+        naming the parameters), or at ``weights`` for an EMA its checkpoint does not hold.
     """
     folder = Path(run_dir)
-    problem = run_problem(folder, weights)
-    if problem is not None:
-        raise ValueError(f"run_dir: {problem}")
+    for name, problem in (
+        ("run_dir", run_problem(folder)),
+        ("weights", weights_problem(folder, weights)),
+    ):
+        if problem is not None:
+            raise ValueError(f"{name}: {problem}")
     model = build_model(load_config(folder / RUN_CONFIG))
-    read = read_weights(folder, weights, key="run_dir")
+    read = read_weights(folder, weights, key="run_dir", weights_key="weights")
     load_model_state(
         model,
         read.state,
@@ -63,7 +74,12 @@ def warm_start(model: nn.Module, init_from: InitFrom, ctx: RunContext) -> Weight
 
     :raises ConfigError: at ``model.init_from``, for weights that do not fit (one line).
     """
-    read = read_weights(Path(init_from.path), init_from.weights, key="model.init_from.path")
+    read = read_weights(
+        Path(init_from.path),
+        init_from.weights,
+        key="model.init_from.path",
+        weights_key="model.init_from.weights",
+    )
     left = load_model_state(
         model,
         read.state,
