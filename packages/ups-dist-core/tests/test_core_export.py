@@ -59,6 +59,38 @@ def test_export_and_load_model_give_the_checkpoints_weights_from_a_copied_folder
     assert_bitwise_equal(dict(torch.load(loaded, weights_only=True)), expected)
 
 
+@pytest.mark.slow
+def test_the_ema_exports_and_warm_starts_a_run_on_two_ranks(tmp_path: Path) -> None:
+    """``--weights ema`` writes the checkpoint's ``ema.model``, and ``model.init_from`` with
+    ``weights: ema`` starts a 2-rank run from it, not from the live weights."""
+    source = tiny_project(tmp_path / "source", training={"max_steps": 3, "ema": {"decay": 0.5}})
+    trained = run_ups("train", str(source), "--nproc", "2", cwd=source.parent)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    run_dir = source.parent / "runs" / "tiny"
+    saved = read_checkpoint(run_dir / "checkpoints" / "step-3")["state"]
+    averaged, live = dict(saved["ema"]["model"]), dict(saved["model"])
+    assert any(not torch.equal(averaged[name], live[name]) for name in live)
+
+    output = tmp_path / "ema.pt"
+    exported = run_ups("export", str(run_dir), "--weights", "ema", "--output", str(output))
+    assert exported.returncode == 0, exported.stderr
+    assert_bitwise_equal(dict(torch.load(output, weights_only=True)), averaged)
+
+    warm = tiny_project(
+        tmp_path / "warm",
+        model={
+            "factory": "tiny.py:build_model",
+            "init_from": {"path": str(run_dir), "weights": "ema"},
+        },
+        training={"max_steps": 1, "lr": 1e-12},
+    )
+    started = run_ups("train", str(warm), "--nproc", "2", cwd=warm.parent)
+    assert started.returncode == 0, started.stderr[-3000:]
+    found = read_checkpoint(warm.parent / "runs" / "tiny" / "checkpoints" / "step-1")
+    for name, value in averaged.items():  # one step of a negligible learning rate
+        torch.testing.assert_close(found["state"]["model"][name], value, rtol=0, atol=1e-9)
+
+
 def test_export_refuses_what_it_cannot_export_in_one_line(tmp_path: Path) -> None:
     output = str(tmp_path / "model.pt")
     (tmp_path / "empty").mkdir()
