@@ -114,8 +114,9 @@ def test_export_refuses_what_it_cannot_export_in_one_line(tmp_path: Path) -> Non
     best = run_ups("export", str(tmp_path / "empty"), "--weights", "best", "--output", output)
     assert best.returncode == 2
     assert best.stderr.strip().splitlines() == [
-        "ups: error: --weights: weights 'best' needs a run saved with checkpoint.keep_best, "
-        "which this version of ups-dist-core does not keep yet; use latest"
+        "ups: error: --weights: weights 'best' needs a run saved with "
+        f"checkpoint.options.keep_best; the run of {tmp_path / 'empty'} kept no best "
+        "checkpoints: use latest"
     ]
     assert not Path(output).exists()
 

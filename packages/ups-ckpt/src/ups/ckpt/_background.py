@@ -33,6 +33,10 @@ class Locating(Checkpointer, Protocol):
         """Where checkpoint ``step`` will be, once committed."""
         ...
 
+    def load_best(self) -> Loaded | None:
+        """The checkpoint keep-best's ``best`` pointer names, or ``None``."""
+        ...
+
 
 class InBackground:
     """Runs a :class:`Locating` checkpointer's saves on a writer thread (see the module doc).
@@ -81,6 +85,11 @@ class InBackground:
     def load_latest(self) -> Loaded | None:
         self.wait()
         return self.inner.load_latest()
+
+    def load_best(self) -> Loaded | None:
+        """Wait for the save in flight; the checkpoint ``best`` names (keep-best), or ``None``."""
+        self.wait()
+        return self.inner.load_best()
 
     def wait(self) -> None:
         """Return once the save in flight, if any, committed; re-raise its failure."""

@@ -18,7 +18,8 @@ manifests record) and deletes what retention lets go
 (:func:`~ups.core.checkpoint._retention.expired`), never a best one. A checkpoint without a readable ``COMMIT`` is never
 loaded. Loading takes the checkpoint ``latest`` names if its files match the manifest's sizes
 and CRC-32s, else the newest committed one that does (with a warning naming each damaged one
-skipped), read by every rank, a failure on any rank raised on every rank. Every collective
+skipped), read by every rank, a failure on any rank raised on every rank; ``load_best`` the
+one ``best`` names, verified alike. Every collective
 runs over the manager's process group, whose timeout bounds it.
 """
 
@@ -270,8 +271,22 @@ class Committing:
         :raises UnsafeCheckpointError: when a file would run code to load (on every rank).
         """
         found = self._on_main(f"finding the latest checkpoint{self._place}", self._find_latest)
-        if found is None:
-            return None
+        return None if found is None else self._load(found)
+
+    def load_best(self) -> Loaded | None:
+        """Load the checkpoint the ``best`` pointer names (keep-best's best), on every rank;
+        ``None`` when there is no such pointer (no keep-best, or nothing ranked yet).
+
+        :raises CheckpointError: on every rank, when it is not committed, is damaged, or any
+            rank cannot read it.
+        :raises UnsafeCheckpointError: when a file would run code to load (on every rank).
+        """
+        found = self._on_main(f"finding the best checkpoint{self._place}", self._find_best)
+        return None if found is None else self._load(found)
+
+    def _load(self, found: Committed) -> Loaded:
+        """Read the committed checkpoint ``found`` on every rank (this rank's own state when
+        it was saved by as many ranks)."""
         own: dict[str, Any] | None = None
         location = self.storage.location(found.where)
         with Agreement(self.ctx, failing(f"loading checkpoint {location}"), group=self.group):
@@ -477,6 +492,26 @@ class Committing:
                 f"({len(committed)} damaged); move them away to start afresh"
             )
         return None
+
+    def _find_best(self) -> Committed | None:
+        """The committed checkpoint the ``best`` pointer names, if it verifies (``None``: no
+        pointer).
+
+        :raises CheckpointError: when it names no committed checkpoint, or a damaged one.
+        """
+        best = (self.storage.read_pointer(BEST_POINTER) or "").strip()
+        if not best:
+            return None
+        named = [c for c in self.committed() if c.where == best]
+        if not named:
+            raise CheckpointError(
+                f"'{BEST_POINTER}' names {self.storage.location(best)}, which is not a "
+                "committed checkpoint"
+            )
+        problem = self._damage(named[0])
+        if problem is not None:
+            raise CheckpointError(f"the best checkpoint is damaged: {problem}")
+        return named[0]
 
     def _damage(self, checkpoint: Committed) -> str | None:
         """What is wrong with a committed checkpoint's files (``None``: they match)."""

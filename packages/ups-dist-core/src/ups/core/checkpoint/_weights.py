@@ -6,8 +6,9 @@ plain ``state_dict`` (:func:`export_weights`), and :func:`ups.core.load_model` b
 model holding them (:mod:`ups.core.engine._model`).
 
 Which weights of a run folder: ``latest``, its newest checkpoint's model; ``ema``, that
-checkpoint's average of the weights (a run with ``training.ema``); ``best`` needs checkpoints
-kept by ``checkpoint.keep_best``, which this version does not keep yet, and is refused.
+checkpoint's average of the weights (a run with ``training.ema``); ``best``, the model of the
+checkpoint its ``best`` pointer names (a run with ``checkpoint.options.keep_best``:
+:mod:`~ups.core.checkpoint._best`), for a run folder only.
 
 Everything is read with ``weights_only=True`` (:func:`ups.core.checkpoint.load`): a file that
 would run code to load is refused. The module imports torch only to read:
@@ -19,13 +20,18 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import attrs
+import yaml
 
 from ..config._config import load_config
 from ..config._errors import ConfigError, one_of
 from ..plugin._manager import load_plugins
+from ._best import KEY as KEEP_BEST
+
+if TYPE_CHECKING:
+    from ..plugin._records import Checkpointer, Loaded
 
 Which = Literal["latest", "best", "ema"]
 """Which weights of a run folder (see the module doc)."""
@@ -37,9 +43,6 @@ RUN_CONFIG = "config.yaml"
 COMMIT_FILE = "COMMIT"
 """A committed checkpoint's manifest (:data:`ups.core.checkpoint.COMMIT_FILE`, named here
 without importing torch)."""
-
-NOT_SAVED = {"best": "checkpoint.keep_best"}
-"""The weights this version does not save yet, and the key that would save them."""
 
 
 @attrs.frozen
@@ -76,11 +79,8 @@ def weights_problem(path: Path, which: str) -> str | None:
     when it may."""
     if which not in WHICH:
         return f"weights {which!r} is not one of {one_of(WHICH)}"
-    if which in NOT_SAVED:
-        return (
-            f"weights {which!r} needs a run saved with {NOT_SAVED[which]}, which this version "
-            "of ups-dist-core does not keep yet; use latest"
-        )
+    if which == "best":
+        return _best_problem(path)
     if which != "latest" and _kind(path) == "file":
         return f"weights {which!r} is for a run or checkpoint folder; {path} is a file: use latest"
     return None
@@ -157,6 +157,33 @@ def export_weights(
     return read
 
 
+def _best_problem(path: Path) -> str | None:
+    """Why ``path`` cannot give its best weights: not a run folder, or a run that kept none."""
+    if _kind(path) != "run":
+        return (
+            f"weights 'best' is for a run folder, whose 'best' pointer names its best "
+            f"checkpoint; {path} is not one: give its run folder, or use latest"
+        )
+    with open(path / RUN_CONFIG) as file:
+        config = yaml.safe_load(file)
+    options = _at(config, "checkpoint", "options")
+    if _at(options, "keep_best") is None:
+        return (
+            f"weights 'best' needs a run saved with {KEEP_BEST}; the run of {path} kept no "
+            "best checkpoints: use latest"
+        )
+    return None
+
+
+def _at(mapping: object, *keys: str) -> object:
+    """``mapping[keys[0]][keys[1]]...``, or ``None`` where one is not there."""
+    for key in keys:
+        if not isinstance(mapping, dict):
+            return None
+        mapping = mapping.get(key)
+    return mapping
+
+
 def _kind(path: Path) -> Literal["run", "checkpoint", "file"] | None:
     if path.is_file():
         return "file"
@@ -198,8 +225,9 @@ def _model_of(
 
 
 def _read_run(folder: Path, which: str, key: str, weights_key: str) -> Weights:
-    """The weights of the run folder ``folder``'s newest checkpoint, read through its
-    configured checkpoint backend, built for one process (no process group)."""
+    """The weights ``which`` of the run folder ``folder``'s newest checkpoint (for ``best``:
+    the checkpoint its ``best`` pointer names), read through its configured checkpoint
+    backend, built for one process (no process group)."""
     from ..dist._context import RunContext
 
     config = load_config(folder / RUN_CONFIG)
@@ -207,9 +235,32 @@ def _read_run(folder: Path, which: str, key: str, weights_key: str) -> Weights:
     where = f"{folder / RUN_CONFIG}: checkpoint"
     plugin, options = load_plugins().select("checkpoint", choice.name, choice.options, where)
     checkpointer = plugin.factory(ctx=RunContext(), directory=folder, options=options)
-    loaded = checkpointer.load_latest()
+    loaded = (
+        _load_best(checkpointer, choice.name, folder, weights_key)
+        if which == "best"
+        else checkpointer.load_latest()
+    )
     if loaded is None:
         raise ConfigError(key, f"the run folder {folder} holds no committed checkpoint")
     return Weights(
         _model_of(loaded.state, which, loaded.location, key, weights_key), loaded.location
     )
+
+
+def _load_best(checkpointer: Checkpointer, backend: str, folder: Path, weights_key: str) -> Loaded:
+    """The checkpoint ``checkpointer``'s ``best`` pointer names (its ``load_best``)."""
+    load_best = getattr(checkpointer, "load_best", None)
+    if not callable(load_best):
+        raise ConfigError(
+            weights_key,
+            f"the checkpoint backend {backend!r} of {folder} cannot read its best checkpoint "
+            "(its checkpointer has no load_best): use latest",
+        )
+    loaded: Loaded | None = load_best()
+    if loaded is None:
+        raise ConfigError(
+            weights_key,
+            f"the run folder {folder} holds no best checkpoint yet (no evaluation has been "
+            f"ranked by {KEEP_BEST}): use latest",
+        )
+    return loaded

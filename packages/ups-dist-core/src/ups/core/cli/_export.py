@@ -24,7 +24,8 @@ def command(parser: argparse.ArgumentParser) -> CommandRunner:
         default="latest",
         choices=WHICH,
         help="latest (the newest checkpoint's), ema (its average of the weights, "
-        "training.ema) or best (checkpoint.keep_best); default: latest",
+        "training.ema) or best (the checkpoint the run's 'best' pointer names, "
+        "checkpoint.options.keep_best); default: latest",
     )
     parser.add_argument(
         "--output", required=True, type=Path, metavar="PATH", help="the state_dict's file"

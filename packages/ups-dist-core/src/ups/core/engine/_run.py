@@ -287,11 +287,14 @@ class Run:
     def _result(self, preempted: bool) -> TrainResult:
         reports = self.reporter.reports
         losses = tuple(r["loss"] for r in reports)
+        best = self._best()
+        named = {} if best is None else {"best_step": best[0], "best_value": best[1]}
         log.info(
             "done",
             steps=self.step,
             epochs=self.position.epoch,
             loss=round(losses[-1], 6) if losses else None,
+            **named,
         )
         return TrainResult(
             steps=self.step,
@@ -301,7 +304,12 @@ class Run:
             metrics=tuple(reports),
             eval_metrics=tuple(self.reporter.eval_reports),
             preempted=preempted,
+            best=best,
         )
+
+    def _best(self) -> tuple[int, float] | None:
+        """Keep-best's best checkpoint, ``(step, monitored value)``, or ``None``."""
+        return next(iter(self.state.best.items()), None)
 
     def _steps_left(self) -> bool:
         """Whether the loop has a step to take: ``max_steps``, the schedule and the epochs
@@ -315,7 +323,11 @@ class Run:
         assert resumed is not None
         log.info(f"the run is complete at step {self.step}: nothing left to train", step=self.step)
         return TrainResult(
-            steps=self.step, epochs=self.position.epoch, losses=(), checkpoint=resumed.location
+            steps=self.step,
+            epochs=self.position.epoch,
+            losses=(),
+            checkpoint=resumed.location,
+            best=self._best(),
         )
 
     def _loop(self) -> None:

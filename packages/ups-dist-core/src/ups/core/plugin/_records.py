@@ -335,6 +335,9 @@ class TrainResult:
     ``samples_per_s``, ``oom_skipped``, user metrics, ...)."""
     eval_metrics: tuple[dict[str, float], ...] = ()
     """Every evaluation's metrics, over the whole evaluation set (``loss``, ``loss/<task>``)."""
+    best: tuple[int, float] | None = None
+    """Keep-best's best checkpoint (``checkpoint.options.keep_best``): its step and monitored
+    value; ``None`` without keep-best, or when no evaluation has been ranked."""
 
 
 # ---------------------------------------------------------------------------------------------
