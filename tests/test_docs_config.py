@@ -107,3 +107,12 @@ def test_the_schedule_section_names_every_trigger_and_action() -> None:
     for part in attrs.fields(Rule):
         for key in attrs.fields_dict(typing.get_type_hints(Rule)[part.name]):
             assert f"`{key}`" in text, f"schedule: `{part.name}.{key}` is not named"
+
+
+def test_the_simple_checkpoint_backend_has_a_row_per_option() -> None:
+    """Every option of the built-in ``simple`` backend (``keep_best`` too) has its row."""
+    from ups.core.checkpoint import SimpleCheckpointOptions
+
+    text = section("Plugin sections: `sampler`, `comm_hook`, `checkpoint`, `launch`")
+    for key in attrs.fields_dict(SimpleCheckpointOptions):
+        assert f"| `checkpoint` | `simple` | `{key}` |" in text, f"checkpoint.options.{key}"
