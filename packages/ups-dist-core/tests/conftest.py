@@ -38,3 +38,12 @@ def ups(
         return subprocess.CompletedProcess(list(args), status, out, err)
 
     return run
+
+
+def assert_refused(result: Result, message: str, project: Path) -> None:
+    """``result`` is one line of error starting with ``message``, exit status 2, and no rank
+    of the tiny project in ``project`` started (its run has no logs)."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), result.stderr
+    assert not (project / "runs" / "tiny" / "logs").exists()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import assert_refused
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -163,32 +164,4 @@ def test_bad_keep_best_input_is_one_line_and_exit_2(
     tmp_path: Path, sections: dict[str, Any], message: str, command: str
 ) -> None:
     result = run_ups(command, str(tiny_project(tmp_path, **sections)), cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(message), result.stderr
-    assert not (tmp_path / "runs" / "tiny" / "logs").exists()  # no rank started
-
-
-METRICS_MODULE = """
-def build():
-    return lambda outputs, targets: {"mae": (outputs - targets).abs().mean(dim=1)}
-"""
-
-
-def test_a_metric_the_run_never_reports_stops_every_rank_at_the_first_evaluation(
-    tmp_path: Path,
-) -> None:
-    config = tiny_project(
-        tmp_path,
-        eval=EVAL,
-        metrics={"factory": "mae.py:build"},
-        checkpoint={"options": {"keep_best": {"monitor": "val_mea"}}},
-    )
-    (tmp_path / "mae.py").write_text(METRICS_MODULE)
-    assert run_ups("validate", str(config), cwd=tmp_path).returncode == 0  # known at run time only
-    result = run_ups("train", str(config), "--nproc", "2", cwd=tmp_path, timeout=240)
-    assert result.returncode == 2, result.stderr
-    assert (
-        "checkpoint.options.keep_best.monitor: 'val_mea' is not reported by the run's "
-        "evaluation; it reports: val_loss, val_mae, val_samples; did you mean 'val_mae'?"
-    ) in result.stderr
+    assert_refused(result, message, tmp_path)
