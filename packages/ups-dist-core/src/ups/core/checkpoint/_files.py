@@ -12,8 +12,8 @@ from pathlib import Path
 from ..config._errors import ConfigError
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path``'s content with ``text`` so that readers see the old or the new whole:
+def write_atomically(path: Path, text: str | bytes) -> None:
+    """Replace ``path``'s content with ``text`` (or bytes) so that readers see the old or the new whole:
     a temporary file in the same folder, fsynced, renamed over ``path``, the folder fsynced.
 
     A failure (a full disk) leaves ``path`` as it was, no temporary file beside it, and raises
@@ -21,7 +21,7 @@ def write_atomically(path: Path, text: str) -> None:
     """
     tmp = path.with_name(f".{path.name}-{secrets.token_hex(4)}")
     try:
-        with open(tmp, "x") as file:
+        with open(tmp, "xb" if isinstance(text, bytes) else "x") as file:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())

@@ -75,10 +75,13 @@ class InitFrom:
     not load them again: its checkpoint holds the weights it trained since
     (:mod:`ups.core.engine._model`)."""
 
-    path: str
+    path: str | None = None
     """A run folder (its newest checkpoint, read through the checkpoint backend its
     ``config.yaml`` names), a checkpoint folder (``checkpoints/step-<N>``), or a file holding a
     ``state_dict`` (``ups export``'s); relative to the config's folder."""
+    stage: str | None = None
+    """Instead of ``path``: an earlier stage of this run (``stages``), by name; its final
+    weights (``weights: latest``) or its EMA's (``weights: ema``)."""
     strict: bool = True
     """``false``: load the parameters and buffers found on both sides, and log the model's
     missing and the file's unexpected names in one line each; shapes that differ are refused
@@ -87,6 +90,14 @@ class InitFrom:
     """Which weights of a run folder (or checkpoint folder): ``latest`` (its newest
     checkpoint's), ``ema`` (that checkpoint's average of the weights, a run with
     ``training.ema``); ``best`` is refused until best checkpoints can be read."""
+
+    def __attrs_post_init__(self) -> None:
+        if (self.path is None) == (self.stage is None):
+            raise ValueError(
+                "give one of path (weights saved somewhere) and stage (an earlier stage's)"
+            )
+        if self.stage is not None and self.weights == "best":
+            raise ValueError("a stage keeps its final weights and its EMA's: weights latest or ema")
 
 
 @attrs.frozen(kw_only=True)
@@ -333,6 +344,32 @@ class LaunchChoice(PluginChoice):
     """The launcher ``ups launch`` uses; ``null``: none chosen (``ups train`` needs none)."""
 
 
+def stage_name(_instance: object, _attribute: attrs.Attribute[str], value: str) -> None:
+    """Validator: ``value`` names a stage: letters, digits, ``_``, ``-`` and ``.``, not only
+    dots (it is the name of the folder its weights are kept in)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", value) or set(value) == {"."}:
+        raise ValueError("a stage's name is letters, digits, '_', '-' and '.' (e.g. 'operator')")
+
+
+@attrs.frozen(kw_only=True)
+class Stage:
+    """One stage of a run of several (``stages``): a training of the base config with
+    ``overrides`` applied, after the stage before it, in the same run folder and process
+    group, its steps numbered on from the stage before's (:mod:`ups.core.config._stages`)."""
+
+    name: str = attrs.field(validator=stage_name)
+    """The stage's name: later stages name it (``model.init_from.stage``, ``{stage: NAME}`` in
+    ``model.options`` or ``step.options``); its weights are kept in ``stages/NAME/``."""
+    max_steps: int | None = attrs.field(default=None, validator=at_least(1))
+    """The stage's ``training.max_steps`` (its own steps, counted from its start)."""
+    epochs: int | None = attrs.field(default=None, validator=at_least(1))
+    """The stage's ``training.epochs``."""
+    overrides: dict[str, Any] = attrs.field(factory=dict)
+    """Keys of the base config the stage sets, nested as in the config (``training: {lr:
+    1e-4}``): sections are merged key by key, any other value (``options`` mappings and lists
+    included) replaced whole."""
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     """A whole run's configuration."""
@@ -357,6 +394,9 @@ class Config:
     plugins: dict[str, Any] = attrs.field(factory=dict)
     """The config sections plugins declare (``ups_config_sections``), by name: each a mapping
     of the keys its plugin takes (``plugins: {mlflow: {experiment: pde}}``)."""
+    stages: tuple[Stage, ...] = ()
+    """Trainings run one after another in this run (:class:`Stage`); ``[]``: one training,
+    of this config."""
 
     @property
     def run_dir(self) -> Path:
@@ -500,14 +540,22 @@ def load_config(
             if name in data:
                 structure(cls, data.pop(name), name)
         config = structure(Config, data)
+        return _resolved(config, path.resolve().parent)
     except ConfigError as error:
         raise ConfigError(f"{path}: {error.path}", error.problem) from None
-    return _resolve_paths(config, path.resolve().parent)
 
 
 def config_from_mapping(data: Mapping[str, Any], base_dir: Path | None = None) -> Config:
     """Build a config from a mapping (for the Python API); file paths resolve against ``base_dir``."""
-    return _resolve_paths(structure(Config, dict(data)), (base_dir or Path.cwd()).resolve())
+    return _resolved(structure(Config, dict(data)), (base_dir or Path.cwd()).resolve())
+
+
+def _resolved(config: Config, base: Path) -> Config:
+    """``config`` with its file paths, and its stages', resolved against ``base``, each
+    stage's config checked (:func:`~ups.core.config._stages.resolve_stages`)."""
+    from ._stages import resolve_stages  # it builds on this module's Config
+
+    return resolve_stages(_resolve_paths(config, base), base)
 
 
 def _resolve_paths(config: Config, base: Path) -> Config:
@@ -546,7 +594,7 @@ def _map_paths(config: Config, spec: Callable[[str], str], path: Callable[[str],
             data, loader=attrs.evolve(data.loader, collate=spec(data.loader.collate))
         )
     model = mapped(config.model)
-    if model.init_from is not None:
+    if model.init_from is not None and model.init_from.path is not None:
         init_from = attrs.evolve(model.init_from, path=path(model.init_from.path))
         model = attrs.evolve(model, init_from=init_from)
     return attrs.evolve(

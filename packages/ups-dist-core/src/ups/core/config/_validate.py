@@ -23,6 +23,7 @@ from ..plugin._manager import Registry
 from ..plugin._records import SamplerPlugin
 from ._config import Config, LoaderConfig, PluginChoice
 from ._errors import ConfigError, did_you_mean
+from ._stages import stage_config, stage_refs
 from ._user_code import load_object
 
 if TYPE_CHECKING:
@@ -85,9 +86,16 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     :param nproc: processes per machine if it differs from ``distributed.nproc`` (``--nproc``).
     :raises ConfigError: at the first key whose value cannot work.
     """
+    if config.stages:
+        return _validate_stages(config, registry, nproc)
     load_object(config.model.factory, "model.factory")
     init_from = config.model.init_from
-    if init_from is not None and (found := source_problem(Path(init_from.path), init_from.weights)):
+    path = None if init_from is None else init_from.path
+    if (
+        init_from is not None
+        and path is not None
+        and (found := source_problem(Path(path), init_from.weights))
+    ):
         raise ConfigError("model.init_from", found)
     load_object(config.data.factory, "data.factory")
     if config.eval is not None:
@@ -175,6 +183,32 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     if nproc == 1 and config.comm_hook.name != "none":
         warnings.append(f"comm_hook.name: {config.comm_hook.name!r} has no effect on one process")
     return warnings
+
+
+def _validate_stages(config: Config, registry: Registry, nproc: int | None) -> list[str]:
+    """:func:`validate` each stage's config, as its training takes it (a ``{stage: NAME}``
+    factory option as the model NAME's config builds); its errors and warnings at
+    ``stages[i].KEY``."""
+    warnings = []
+    for index in range(len(config.stages)):
+        staged = stage_config(config, index)
+        try:
+            if any(stage_refs(staged)):  # torch, for a factory given an earlier stage's model
+                from ..engine._stages import runnable
+
+                staged = runnable(config, index, torch_cpu(), trained=False)
+            found = validate(staged, registry, nproc)
+        except ConfigError as error:
+            raise ConfigError(f"stages[{index}].{error.path}", error.problem) from None
+        warnings += [f"stages[{index}].{warning}" for warning in found]
+    return warnings
+
+
+def torch_cpu() -> Any:
+    """torch's CPU device, torch imported only now."""
+    import torch
+
+    return torch.device("cpu")
 
 
 def check_plateaus(config: Config, *, metrics: bool) -> None:

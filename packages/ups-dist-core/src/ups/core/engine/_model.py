@@ -74,6 +74,7 @@ def warm_start(model: nn.Module, init_from: InitFrom, ctx: RunContext) -> Weight
 
     :raises ConfigError: at ``model.init_from``, for weights that do not fit (one line).
     """
+    assert init_from.path is not None  # a stage's is its kept file (engine._stages.runnable)
     read = read_weights(
         Path(init_from.path),
         init_from.weights,

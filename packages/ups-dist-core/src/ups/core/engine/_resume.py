@@ -50,6 +50,17 @@ class Position:
 
 
 @attrs.frozen(kw_only=True)
+class InStage:
+    """Which stage of a run of several (``stages``) a training is: checkpoints record it, so a
+    resume goes on in the stage it stopped in (:mod:`ups.core.engine._stages`)."""
+
+    index: int
+    name: str
+    start: int
+    """The run's step the stage starts after: its steps are numbered on from it."""
+
+
+@attrs.frozen(kw_only=True)
 class Resumed:
     """What a resume hands the epoch loop beyond the restored objects."""
 
@@ -101,6 +112,8 @@ class Saved:
     """The EMA of the weights (:meth:`EMA.state_dict <ups.core.EMA.state_dict>`): its
     ``model`` holds the averages by the model's names; ``{}`` without one (and in a checkpoint
     saved before it was kept)."""
+    stage: int = 0
+    """The index of the stage that saved it (``stages``; ``0`` for a run without)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The mapping a checkpointer stores."""
@@ -170,6 +183,8 @@ class TrainingState:
     comm_state: object | None
     faults: FaultInjector
     ema: EMA | None = None
+    stage: int = 0
+    """The index of the run's stage this training is (``stages``; ``0`` without)."""
 
     def save(self, position: Position, metrics: Mapping[str, float] | None = None) -> str:
         """Save a checkpoint at ``position`` (for the evaluated ``metrics``: keep-best's
@@ -201,6 +216,7 @@ class TrainingState:
             config_digest=self.config.digest(),
             versions=dict(_versions()),
             ema=self.ema.state_dict() if self.ema is not None else {},
+            stage=self.stage,
         )
         with self.faults.saving(step):
             location = self.checkpointer.save(
@@ -223,6 +239,15 @@ class TrainingState:
             self._supersede_after(0)
             return None
         state = Saved.from_dict(loaded.state, loaded.location)
+        if state.stage < self.stage:  # the stage before's last: this stage starts after it
+            log.info(f"stage {self.stage} starts after the checkpoint of step {loaded.step}")
+            self._supersede_after(loaded.step)
+            return None
+        if state.stage > self.stage:
+            raise UsageError(
+                f"checkpoint {loaded.location} was saved by stage {state.stage}, after stage "
+                f"{self.stage}, whose weights are not kept: start afresh (checkpoint.resume: none)"
+            )
         self._check_identity(loaded.step, state.identity)
         self._supersede_after(loaded.step)
         load_model_state(

@@ -44,7 +44,7 @@ from ._loader import Epoch, StepBatches
 from ._model import warm_start
 from ._optim import MONITOR, is_plateau, step_on_plateau
 from ._parts import Parts, build_parts, run_loader
-from ._resume import Position, Resumed, TrainingState
+from ._resume import InStage, Position, Resumed, TrainingState
 from ._rundir import RunFiles, own_run_dir
 from ._schedule import Schedule, agreed_value, apply_lr_multiplier
 from ._step import has_metrics
@@ -63,11 +63,12 @@ def train_rank(config: Config, ctx: RunContext, registry: Registry) -> TrainResu
         try:
             held.enter_context(own_run_dir(config, ctx))
             held.enter_context(rank_log_file(ctx, config.run_dir))
-            run = Run(config, ctx, registry)
-            try:
-                result = run.train()
-            finally:
-                run.reporter.files.close()
+            if config.stages:
+                from ._stages import train_stages  # it runs a Run per stage
+
+                result = train_stages(config, ctx, registry)
+            else:
+                result = trained(Run(config, ctx, registry))
         except BaseException as error:
             hook.ups_error(ctx=ctx, error=error)
             raise
@@ -77,6 +78,14 @@ def train_rank(config: Config, ctx: RunContext, registry: Registry) -> TrainResu
 
 train = train_rank
 """The former name of :func:`train_rank` (``ups.core.engine.train``), kept for code that uses it."""
+
+
+def trained(run: Run) -> TrainResult:
+    """Train ``run``, its ``metrics.jsonl`` closed however it ends."""
+    try:
+        return run.train()
+    finally:
+        run.reporter.files.close()
 
 
 @attrs.frozen
@@ -128,10 +137,15 @@ def stepping(config: Config, ctx: RunContext, parts: Parts, watchdog: Watchdog) 
 class Run:
     """One rank's training run: the parts its config builds (:mod:`~ups.core.engine._parts`), and the
     epoch loop over them, which owns where the run stands (:attr:`position`). :func:`train` is
-    how to use it."""
+    how to use it. A stage of a run of several (``stage``) numbers its steps on from its
+    start; its ``max_steps``, evaluations, saves, reports, schedule and EMA count its own."""
 
-    def __init__(self, config: Config, ctx: RunContext, registry: Registry) -> None:
-        self.config, self.ctx = config, ctx
+    def __init__(
+        self, config: Config, ctx: RunContext, registry: Registry, stage: InStage | None = None
+    ) -> None:
+        self.config, self.ctx, self.stage = config, ctx, stage
+        self.start = stage.start if stage is not None else 0
+        """The step the training starts after (a stage's start; ``0``)."""
         self.hook: HookRelay = registry.manager.hook
         t = config.training
         seed_all(config.run.seed)
@@ -145,7 +159,9 @@ class Run:
         self.restarted = all_max(ctx, ctx.restart_count)
         """How many times the launcher restarted the job (the largest count of any rank: a
         node that joined afresh counts from 0)."""
-        self.watchdog = Watchdog(ctx, key=str(self.restarted))
+        self.watchdog = Watchdog(
+            ctx, key=str(self.restarted) + (f".{stage.index}" if stage is not None else "")
+        )
         steps = stepping(config, ctx, parts, self.watchdog)
         self.forward, self.stepper, self.metrics = steps.forward, steps.stepper, steps.metrics
         self.ema = run_ema(config, parts)
@@ -153,7 +169,7 @@ class Run:
         self.reporter = self._reporter(steps)
         profile = config.run.profile_steps
         self.profiler = StepProfiler(ctx, config.run_dir, profile) if profile else None
-        self.position = Position(step=0, epoch=0)
+        self.position = Position(step=self.start, epoch=0)
         self.evaluated_at = -1
         self._grad_norm = float("nan")
         self._location: str | None = None
@@ -171,7 +187,7 @@ class Run:
             self.config,
             self.ctx,
             self.hook,
-            RunFiles(self.config, self.ctx),
+            RunFiles(self.config, self.ctx, stage=self.stage is not None),
             window=steps.window,
             metrics=steps.metrics,
             flops_per_sample=flops_per_sample,
@@ -206,18 +222,25 @@ class Run:
             comm_state=parts.comm_state,
             faults=faults,
             ema=self.ema,
+            stage=self.stage.index if self.stage is not None else 0,
         )
 
     @property
     def step(self) -> int:
-        """Optimizer steps taken."""
+        """Optimizer steps taken (by the run: a stage's count on from its start)."""
         return self.position.step
+
+    @property
+    def own_step(self) -> int:
+        """Optimizer steps taken by this training (a stage's own)."""
+        return self.position.step - self.start
 
     def train(self) -> TrainResult:
         """Train: resume if the config or a restart says so, loop until the data,
         ``max_steps``, the schedule or a preemption ends it, then evaluate and save the last
         step; what the run did."""
-        self.hook.ups_run_start(ctx=self.ctx, config=self.config)
+        if self.stage is None:  # a run of stages starts once (engine._stages)
+            self.hook.ups_run_start(ctx=self.ctx, config=self.config)
         self._log_start()
         if self.config.checkpoint.resume == "latest" or self.restarted:
             self._resume()
@@ -272,7 +295,7 @@ class Run:
     def _finish(self, preempted: bool) -> None:
         """After the loop: report the steps since the last report, evaluate the last step
         (unless preempted), save it if it is not saved, and wait for the saves."""
-        if self.step % self.config.run.log_every:
+        if self.own_step % self.config.run.log_every:
             self.reporter.start(self.step, self.position.epoch, self._extra)
         self.reporter.finish(self.step)
         evaluates = self.parts.eval_loader is not None and not preempted
@@ -351,7 +374,7 @@ class Run:
                     continue  # every rank skipped the batch
                 self._grad_norm, micro_batches = taken
                 if self.ema is not None:
-                    self.ema.update(self.step)
+                    self.ema.update(self.own_step)
                 for counted in micro_batches:
                     counted.count(self.reporter.window, self.metrics)
                 if self._after_step():
@@ -397,7 +420,8 @@ class Run:
         step; whether a preemption stops the run here."""
         ctx, reporter = self.ctx, self.reporter
         reporter.step_taken(self.step)
-        if self.step % self.config.run.log_every == 0:
+        own = self.own_step
+        if own % self.config.run.log_every == 0:
             reporter.start(self.step, self.position.epoch, self._extra)
         if self.profiler is not None:
             self._profile_step(self.profiler)
@@ -408,16 +432,16 @@ class Run:
             monitor = self.config.training.scheduler_options.get(MONITOR, "val_loss")
             step_on_plateau(ctx, scheduler, values, monitor)
         decision = self.schedule.decide(
-            ctx, self.step, None if evaluated is None else evaluated["loss"], metrics=values
+            ctx, own, None if evaluated is None else evaluated["loss"], metrics=values
         )
         if decision is not None and decision.lr_multiplier is not None:
             apply_lr_multiplier(self.parts.optimizer, decision.lr_multiplier, self.parts.scheduler)
         best = self._admit(values)
         every = self.config.checkpoint.every_steps
-        if (every and self.step % every == 0) or (decision and decision.save) or best:
+        if (every and own % every == 0) or (decision and decision.save) or best:
             self._checkpoint(best)
         check = self.config.distributed.desync_check_every
-        if check and self.step % check == 0:
+        if check and own % check == 0:
             check_in_sync(ctx, self.config.digest(), self.step, self.parts.model)
         if self.preemption.agreed():
             log.warning("preempted: saving and stopping", step=self.step)
@@ -465,7 +489,7 @@ class Run:
         """Evaluate if this step is an evaluation step; return the metrics (the same on every
         rank), or ``None``. Whether to evaluate depends on the step alone: every rank agrees."""
         every = self.config.eval.every_steps if self.config.eval else None
-        if every and self.step % every == 0:
+        if every and self.own_step % every == 0:
             return self._evaluate()
         return None
 
@@ -488,13 +512,13 @@ class Run:
 
     def _more_steps(self) -> bool:
         max_steps = self.config.training.max_steps
-        return not self.schedule.stopped and (max_steps is None or self.step < max_steps)
+        return not self.schedule.stopped and (max_steps is None or self.own_step < max_steps)
 
     def _total_steps(self) -> int:
         """The optimizer steps the run will take, as the config stands (for the progress bar)."""
         per_epoch = math.ceil(len(self.loader) / self.schedule.accumulation_steps)
         total = per_epoch * self.config.training.epochs
-        return min(total, self.config.training.max_steps or total)
+        return self.start + min(total, self.config.training.max_steps or total)
 
     def _profile_step(self, profiler: StepProfiler) -> None:
         """Tell the profiler a step ended; when its trace is written, measure the

@@ -62,14 +62,17 @@ files are moved aside, and they are no earlier run."""
 
 
 class RunFiles:
-    """Rank 0's writer of the run folder's files; on other ranks every method does nothing."""
+    """Rank 0's writer of the run folder's files; on other ranks every method does nothing.
+    ``config.yaml`` is written as it starts, unless ``stage``: a stage's writer, of a run whose
+    ``config.yaml`` holds every stage."""
 
-    def __init__(self, config: Config, ctx: RunContext) -> None:
+    def __init__(self, config: Config, ctx: RunContext, *, stage: bool = False) -> None:
         self.folder = config.run_dir
         self.enabled = ctx.is_main
         self._metrics_fd: int | None = None
         if self.enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
+        if self.enabled and not stage:
             saved = relative_paths(config, self.folder)
             text = yaml.safe_dump(_plain(attrs.asdict(saved)), sort_keys=False)
             write_atomically(self.folder / "config.yaml", text)

@@ -1,0 +1,173 @@
+"""A run of several stages (``stages``): each stage a training of its own config
+(:func:`~ups.core.config._stages.stage_config`), run in order by every rank in one process
+group and one run folder, its steps numbered on from the stage before's.
+
+Each stage builds its own parts: a fresh optimizer, LR scheduler, gradient scaler, EMA,
+plateau watches, keep-best set and schedule (its rules count the stage's own steps), its data
+order and initial weights as a run of its config alone would have them; only the step
+numbers (``metrics.jsonl``, the trackers, checkpoints, ``ups report``) go on. A finished
+stage's weights are kept in ``stages/NAME/`` (:data:`KEPT`): ``model.pt``, its final
+``state_dict``, ``ema.pt`` its EMA's (with ``training.ema``), and last ``stage.json``, which
+marks it done. A later stage starts from them (``model.init_from: {stage: NAME}``) or gets
+the model they make, frozen, as a factory's keyword argument (a ``{stage: NAME}`` option of
+``model.options`` or ``step.options``: :func:`runnable`).
+
+A resume skips the stages done, and goes on in the stage its newest checkpoint was saved in
+(checkpoints record it), its checks against that stage's config.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+import torch
+from torch import nn
+
+from ..checkpoint._files import write_atomically
+from ..checkpoint._model_state import load_model_state
+from ..checkpoint._serialize import load
+from ..config._config import Config, InitFrom
+from ..config._stages import stage_config, stage_refs
+from ..dist._collectives import all_max, decide
+from ..dist._context import RunContext
+from ..plugin._manager import Registry
+from ..plugin._records import TrainResult
+from ._parts import build_model
+from ._resume import InStage
+from ._run import Run, trained
+from ._rundir import RunFiles
+
+log = structlog.get_logger()
+
+KEPT = "stages"
+"""The run folder's folder of the stages' kept weights, one folder per stage's name."""
+DONE = "stage.json"
+"""A stage's file saying it is done (``{"index", "name", "start", "end"}``), written last."""
+WEIGHTS = {"latest": "model.pt", "ema": "ema.pt"}
+"""The kept file of each choice of weights."""
+
+
+def kept(run_dir: Path, name: str, weights: str = "latest") -> Path:
+    """The file holding stage ``name``'s kept ``weights`` in the run folder ``run_dir``."""
+    return run_dir / KEPT / name / WEIGHTS[weights]
+
+
+def train_stages(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
+    """Train ``config``'s stages in order on this rank (every rank calls this together); what
+    the run did, over every stage it trained (a resume's: those left)."""
+    RunFiles(config, ctx)  # config.yaml: the whole run's, with its stages
+    registry.manager.hook.ups_run_start(ctx=ctx, config=config)
+    resumes = config.checkpoint.resume == "latest" or bool(all_max(ctx, ctx.restart_count))
+    results: list[TrainResult] = []
+    start = 0
+    for index, stage in enumerate(config.stages):
+        done = (
+            decide(ctx, functools.partial(_done, config.run_dir, stage.name)) if resumes else None
+        )
+        if done is not None:
+            start = done
+            continue
+        if ctx.is_main:
+            log.info(f"stage {index}: {stage.name}", stage=stage.name, start_step=start)
+        here = InStage(index=index, name=stage.name, start=start)
+        run = Run(runnable(config, index, ctx.device), ctx, registry, here)
+        result = trained(run)
+        results.append(result)
+        if result.preempted:
+            break
+        decide(ctx, functools.partial(_keep, run, here, result.steps))
+        start = result.steps
+    return _together(results, start)
+
+
+def runnable(config: Config, index: int, device: torch.device, *, trained: bool = True) -> Config:
+    """Stage ``index``'s config as its training takes it: ``model.init_from.stage`` as the
+    earlier stage's kept file, and each ``{stage: NAME}`` option of ``model.options`` and
+    ``step.options`` as the module NAME's kept weights make (built by NAME's config, in
+    ``eval()`` mode, ``requires_grad`` off, on ``device``): the factory gets it as that
+    keyword argument. Not ``trained`` (``ups validate``, before any stage ran): the modules
+    as built, ``model.init_from`` as it is."""
+    staged = stage_config(config, index)
+    names = {stage.name: i for i, stage in enumerate(config.stages)}
+    init_from = staged.model.init_from
+    if trained and init_from is not None and init_from.stage is not None:
+        path = kept(config.run_dir, init_from.stage, init_from.weights)
+        init_from = InitFrom(path=str(path), strict=init_from.strict)
+    options: dict[str, dict[str, Any]] = {
+        "model": dict(staged.model.options),
+        "step": dict(staged.step.options),
+    }
+    for ref in stage_refs(staged):
+        earlier = frozen(config, names[ref.stage], ref.weights, device, trained=trained)
+        options[ref.section][ref.option] = earlier
+    model = attrs.evolve(staged.model, options=options["model"], init_from=init_from)
+    return attrs.evolve(
+        staged, model=model, step=attrs.evolve(staged.step, options=options["step"])
+    )
+
+
+def frozen(
+    config: Config, index: int, weights: str, device: torch.device, *, trained: bool = True
+) -> nn.Module:
+    """The model of ``config``'s stage ``index``, holding its kept ``weights`` (not
+    ``trained``: as built), frozen: in ``eval()`` mode, no gradients, on ``device``."""
+    name = config.stages[index].name
+    model = build_model(runnable(config, index, device, trained=trained))
+    if trained:
+        _load_kept(model, kept(config.run_dir, name, weights), index)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _load_kept(model: nn.Module, path: Path, index: int) -> None:
+    """Load the kept weights ``path`` of stage ``index`` into ``model``."""
+    with open(path, "rb") as file:
+        state = load(file, str(path))
+    load_model_state(
+        model,
+        state,
+        key=f"stages[{index}]",
+        source=str(path),
+        advice="does its model.factory still build the model that stage trained?",
+    )
+
+
+def _done(run_dir: Path, name: str) -> int | None:
+    """The step stage ``name`` ended at, if the run folder keeps it as done; else ``None``."""
+    path = run_dir / KEPT / name / DONE
+    return int(json.loads(path.read_text())["end"]) if path.is_file() else None
+
+
+def _keep(run: Run, stage: InStage, end: int) -> None:
+    """On rank 0: keep the finished stage's weights (and its EMA's) in ``stages/NAME/``, then
+    mark it done at step ``end``."""
+    folder = run.config.run_dir / KEPT / stage.name
+    folder.mkdir(parents=True, exist_ok=True)
+    states = {"latest": run.parts.model.state_dict()}
+    if run.ema is not None:
+        states["ema"] = run.ema.state_dict()["model"]
+    for weights, state in states.items():
+        data = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, data)
+        write_atomically(kept(run.config.run_dir, stage.name, weights), data.getvalue())
+    done = {"index": stage.index, "name": stage.name, "start": stage.start, "end": end}
+    write_atomically(folder / DONE, json.dumps(done) + "\n")
+
+
+def _together(results: list[TrainResult], step: int) -> TrainResult:
+    """One result of the stages' ``results`` (``step``: where the run ended)."""
+    if not results:
+        log.info(f"the run is complete at step {step}: every stage is done", step=step)
+        return TrainResult(steps=step, epochs=0, losses=(), checkpoint=None)
+    last = results[-1]
+    return attrs.evolve(
+        last,
+        losses=tuple(loss for r in results for loss in r.losses),
+        metrics=tuple(m for r in results for m in r.metrics),
+        eval_metrics=tuple(m for r in results for m in r.eval_metrics),
+    )
