@@ -10,10 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from ups.core import train
+from ups.core import config_from_mapping, train
+from ups.core.config._stages import stage_config
 from ups.core.testing import assert_bitwise_equal, read_checkpoint, run_ups, tiny_project
 
 EVAL = {"factory": "tiny.py:build_dataset", "options": {"n": 24}, "every_steps": 2}
@@ -256,3 +260,46 @@ def test_stages_that_cannot_run_are_refused_in_one_line(
     result = run_ups("validate", str(config), cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"ups: error: {config}: {message}"]
+
+
+TRAINING = {
+    "lr": st.floats(1e-6, 1.0),
+    "batch_size": st.integers(1, 64),
+    "weight_decay": st.floats(0.0, 0.1),
+    "grad_clip_norm": st.none() | st.floats(0.1, 10.0),
+    "optimizer_options": st.dictionaries(st.sampled_from(["betas", "eps"]), st.integers(0, 3)),
+}
+
+
+@given(
+    overrides=st.fixed_dictionaries({}, optional=TRAINING),
+    options=st.none()
+    | st.dictionaries(st.sampled_from(["in_features", "bias"]), st.integers(1, 4)),
+    max_steps=st.none() | st.integers(1, 100),
+)
+def test_a_stage_config_is_the_base_config_with_its_overrides_and_nothing_else(
+    overrides: dict[str, Any], options: dict[str, Any] | None, max_steps: int | None
+) -> None:
+    base = {
+        "model": {"factory": "torch.nn:Linear", "options": {"in_features": 4, "out_features": 1}},
+        "data": {"factory": "torch.nn:Identity"},
+        "training": {"lr": 0.5, "epochs": 3, "optimizer_options": {"betas": 9, "amsgrad": 1}},
+    }
+    stage: dict[str, Any] = {"training": overrides}
+    if options is not None:
+        stage["model"] = {"options": options}
+    config = config_from_mapping(
+        {**base, "stages": [{"name": "a", "max_steps": max_steps, "overrides": stage}]}
+    )
+    found = stage_config(config, 0)
+    expected = attrs.evolve(
+        config_from_mapping(base),
+        training=attrs.evolve(
+            config_from_mapping(base).training,
+            **overrides,
+            **({"max_steps": max_steps} if max_steps is not None else {}),
+        ),
+    )
+    if options is not None:  # an options mapping is replaced whole, not merged
+        expected = attrs.evolve(expected, model=attrs.evolve(expected.model, options=options))
+    assert found == expected
