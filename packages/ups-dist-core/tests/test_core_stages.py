@@ -292,14 +292,11 @@ def test_a_stage_config_is_the_base_config_with_its_overrides_and_nothing_else(
         {**base, "stages": [{"name": "a", "max_steps": max_steps, "overrides": stage}]}
     )
     found = stage_config(config, 0)
-    expected = attrs.evolve(
-        config_from_mapping(base),
-        training=attrs.evolve(
-            config_from_mapping(base).training,
-            **overrides,
-            **({"max_steps": max_steps} if max_steps is not None else {}),
-        ),
-    )
+    changed: dict[str, Any] = {**overrides}
+    if max_steps is not None:
+        changed["max_steps"] = max_steps
+    expected = config_from_mapping(base)
+    expected = attrs.evolve(expected, training=attrs.evolve(expected.training, **changed))
     if options is not None:  # an options mapping is replaced whole, not merged
         expected = attrs.evolve(expected, model=attrs.evolve(expected.model, options=options))
     assert found == expected
