@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 
 from ups.core import config_from_mapping, train
 from ups.core.config._stages import stage_config
-from ups.core.testing import assert_bitwise_equal, read_checkpoint, run_ups, tiny_project
+from ups.core.testing import (
+    assert_bitwise_equal,
+    install_plugin,
+    read_checkpoint,
+    run_ups,
+    tiny_project,
+)
 
 EVAL = {"factory": "tiny.py:build_dataset", "options": {"n": 24}, "every_steps": 2}
 
@@ -132,6 +138,63 @@ def test_a_later_stage_gets_an_earlier_stages_trained_model_frozen(tmp_path: Pat
     assert set(model) == {f"operator.{k}" for k in operator} | {
         f"correction.{k}" for k in ("0.weight", "0.bias", "2.weight", "2.bias")
     }
+
+
+TRACKER = """
+import json
+import os
+
+from ups.core import hookimpl
+
+
+def _write(ctx, **record):
+    if ctx.is_main:
+        with open(os.environ["TRACKED"], "a") as file:
+            file.write(json.dumps(record) + "\\n")
+
+
+@hookimpl
+def ups_run_start(ctx, config):
+    _write(ctx, hook="start", stages=[stage.name for stage in config.stages])
+
+
+@hookimpl
+def ups_step_end(ctx, step, metrics):
+    _write(ctx, hook="step", step=step)
+
+
+@hookimpl
+def ups_eval_end(ctx, step, metrics):
+    _write(ctx, hook="eval", step=step)
+
+
+@hookimpl
+def ups_run_end(ctx, result):
+    _write(ctx, hook="end", step=result.steps)
+"""
+
+
+@pytest.mark.slow
+def test_a_tracker_sees_one_run_whose_steps_go_on_across_stages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site, "ups-tracked", "ups_tracked_plugin", TRACKER)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("TRACKED", str(tmp_path / "tracked.jsonl"))
+    config = tiny_project(
+        tmp_path / "project",
+        eval=EVAL,
+        stages=[{"name": "a", "max_steps": 3}, {"name": "b", "max_steps": 4}],
+    )
+    done = run_ups("train", str(config), "--nproc", "2", cwd=config.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tracked = [json.loads(line) for line in (tmp_path / "tracked.jsonl").read_text().splitlines()]
+    assert tracked[0] == {"hook": "start", "stages": ["a", "b"]}
+    assert tracked[-1] == {"hook": "end", "step": 7}
+    assert [t["step"] for t in tracked if t["hook"] == "step"] == [2, 3, 5, 7]
+    assert [t["step"] for t in tracked if t["hook"] == "eval"] == [2, 3, 5, 7]
 
 
 def _stopped_project(folder: Path, resume: str, first: int, every: int) -> Path:
