@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ups.core import config_from_mapping, train
-from ups.core.config._stages import stage_config
+from ups.core.config._config import stage_config
 from ups.core.testing import (
     assert_bitwise_equal,
     install_plugin,

@@ -45,8 +45,7 @@ from ..dist._context import launched
 from ..dist._rng import seed_all
 from ..engine._batches import to_device
 from ..engine._loader import build_dataset
-from ..engine._parts import build_model
-from ..engine._step import build_step
+from ..engine._step import build_model, build_step
 from ..launch._processes import train
 from ..plugin._manager import Registry, load_plugins
 from ..plugin._records import CommandRunner

@@ -21,7 +21,8 @@ import attrs
 import yaml
 
 from ..engine._schedule import Rule
-from ._errors import ConfigError, UsageError
+from ._errors import ConfigError, UsageError, did_you_mean, one_of
+from ._stages import Ref, merged, option_refs, picked, run_key
 from ._structure import above, at_least, at_most, structure
 from ._user_code import resolve_spec
 
@@ -551,11 +552,95 @@ def config_from_mapping(data: Mapping[str, Any], base_dir: Path | None = None) -
 
 
 def _resolved(config: Config, base: Path) -> Config:
-    """``config`` with its file paths, and its stages', resolved against ``base``, each
-    stage's config checked (:func:`~ups.core.config._stages.resolve_stages`)."""
-    from ._stages import resolve_stages  # it builds on this module's Config
+    """``config`` with its file paths, and its stages', resolved against ``base`` (made
+    absolute), each stage's config checked.
 
-    return resolve_stages(_resolve_paths(config, base), base)
+    :raises ConfigError: at ``stages[i].overrides.KEY`` for an override the config refuses
+        (an unknown key, with what is allowed) or a key of the whole run, at
+        ``stages[i].KEY`` for a stage that names no earlier stage.
+    """
+    config = _resolve_paths(config, base)
+    init_from = config.model.init_from
+    if not config.stages and init_from is not None and init_from.stage is not None:
+        raise ConfigError(
+            "model.init_from.stage", "names an earlier stage of stages, and this run has none"
+        )
+    names: dict[str, int] = {}
+    stages = []
+    for index, stage in enumerate(config.stages):
+        if stage.name in names:
+            raise ConfigError(
+                f"stages[{index}].name",
+                f"{stage.name!r} is the name of stages[{names[stage.name]}] too; name each "
+                "stage once",
+            )
+        if (key := run_key(stage.overrides)) is not None:
+            raise ConfigError(
+                f"stages[{index}].overrides.{key}",
+                "is the whole run's, the same in every stage: set it in the base config",
+            )
+        staged = _resolve_paths(stage_config(config, index), base)
+        _check_refs(config, index, staged, names)
+        names[stage.name] = index
+        stages.append(attrs.evolve(stage, overrides=picked(attrs.asdict(staged), stage.overrides)))
+    return attrs.evolve(config, stages=tuple(stages))
+
+
+def stage_config(config: Config, index: int) -> Config:
+    """The config of ``config``'s stage ``index``: the base config (without ``stages``) with
+    the stage's ``overrides`` merged in (:func:`~ups.core.config._stages.merged`), and its
+    ``max_steps`` and ``epochs`` set.
+
+    :raises ConfigError: at ``stages[index].overrides.KEY``, for a value the config refuses.
+    """
+    stage = config.stages[index]
+    data = merged(Config, attrs.asdict(attrs.evolve(config, stages=())), stage.overrides)
+    training = dict(data["training"])
+    for key in ("max_steps", "epochs"):
+        if getattr(stage, key) is not None:
+            training[key] = getattr(stage, key)
+    data["training"] = training
+    try:
+        return structure(Config, data)
+    except ConfigError as error:
+        raise ConfigError(f"stages[{index}].overrides.{error.path}", error.problem) from None
+
+
+def stage_refs(config: Config) -> list[Ref]:
+    """The options of ``config``'s model and step factories that name an earlier stage."""
+    return [
+        *option_refs("model", config.model.options),
+        *option_refs("step", config.step.options),
+    ]
+
+
+def _check_refs(config: Config, index: int, staged: Config, earlier: Mapping[str, int]) -> None:
+    """Check that what stage ``index`` (its config ``staged``) names of other stages are
+    ``earlier`` ones, and an EMA one that keeps it.
+
+    :raises ConfigError: at ``stages[index].KEY``, naming the earlier stages.
+    """
+    named = [
+        (f"{ref.section}.options.{ref.option}", ref.stage, ref.weights)
+        for ref in stage_refs(staged)
+    ]
+    init_from = staged.model.init_from
+    if init_from is not None and init_from.stage is not None:
+        named.append(("model.init_from.stage", init_from.stage, init_from.weights))
+    for key, name, weights in named:
+        where = f"stages[{index}].{key}"
+        if name not in earlier:
+            allowed = one_of(earlier) if earlier else "none (it is the first stage)"
+            raise ConfigError(
+                where,
+                f"{name!r} is no earlier stage; allowed: {allowed}{did_you_mean(name, earlier)}",
+            )
+        if weights not in ("latest", "ema"):
+            raise ConfigError(where, f"weights {weights!r}: a stage keeps latest and ema")
+        if weights == "ema" and stage_config(config, earlier[name]).training.ema is None:
+            raise ConfigError(
+                where, f"weights ema: stage {name!r} keeps no EMA (it has no training.ema)"
+            )
 
 
 def _resolve_paths(config: Config, base: Path) -> Config:

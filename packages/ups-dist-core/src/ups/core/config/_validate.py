@@ -21,9 +21,8 @@ from ..engine._schedule import schedule_warnings
 from ..engine._step import build_step, has_metrics
 from ..plugin._manager import Registry
 from ..plugin._records import SamplerPlugin
-from ._config import Config, LoaderConfig, PluginChoice
+from ._config import Config, LoaderConfig, PluginChoice, stage_config, stage_refs
 from ._errors import ConfigError, did_you_mean
-from ._stages import stage_config, stage_refs
 from ._user_code import load_object
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from ..checkpoint._weights import (
 )
 from ..config._config import InitFrom, load_config
 from ..dist._context import RunContext
-from ._parts import build_model
+from ._step import build_model
 
 log = structlog.get_logger()
 

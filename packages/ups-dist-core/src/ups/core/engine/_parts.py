@@ -20,8 +20,6 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from ..config._config import Config
-from ..config._errors import ConfigError
-from ..config._user_code import load_object
 from ..config._validate import check_data, check_loader, select_sampler
 from ..dist._context import RunContext
 from ..observe._profiling import CommCounter
@@ -29,7 +27,7 @@ from ..plugin._manager import Registry
 from ..plugin._records import Checkpointer
 from ._loader import build_dataset, data_loader
 from ._optim import build_optimizer, build_scheduler
-from ._step import Step, build_step
+from ._step import Step, build_model, build_step
 
 
 @attrs.frozen(kw_only=True)
@@ -103,16 +101,6 @@ def build_parts(
         scheduler=build_scheduler(t.scheduler, optimizer, t.scheduler_options),
         checkpointer=checkpointer,
     )
-
-
-def build_model(config: Config) -> nn.Module:
-    """Call ``model.factory(**model.options)``; check that it returns a module."""
-    model = load_object(config.model.factory, "model.factory")(**config.model.options)
-    if not isinstance(model, nn.Module):
-        raise ConfigError(
-            "model.factory", f"returned {type(model).__name__}, not a torch.nn.Module"
-        )
-    return model
 
 
 def wrap(model: nn.Module, ctx: RunContext, config: Config) -> nn.Module:

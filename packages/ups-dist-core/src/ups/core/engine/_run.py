@@ -11,6 +11,7 @@ runs the loop, which owns where the run stands.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import signal
@@ -24,7 +25,7 @@ from pluggy import HookRelay
 from ..checkpoint._best import KEY as KEEP_BEST
 from ..checkpoint._best import admit, keep_best
 from ..config._config import Config
-from ..dist._collectives import all_max
+from ..dist._collectives import all_max, decide
 from ..dist._context import RunContext
 from ..dist._desync import check_in_sync
 from ..dist._preemption import Preemption
@@ -47,6 +48,7 @@ from ._parts import Parts, build_parts, run_loader
 from ._resume import InStage, Position, Resumed, TrainingState
 from ._rundir import RunFiles, own_run_dir
 from ._schedule import Schedule, agreed_value, apply_lr_multiplier
+from ._stages import done_at, keep, runnable, together
 from ._step import has_metrics
 from ._update import Forward, Stepper
 
@@ -64,8 +66,6 @@ def train_rank(config: Config, ctx: RunContext, registry: Registry) -> TrainResu
             held.enter_context(own_run_dir(config, ctx))
             held.enter_context(rank_log_file(ctx, config.run_dir))
             if config.stages:
-                from ._stages import train_stages  # it runs a Run per stage
-
                 result = train_stages(config, ctx, registry)
             else:
                 result = trained(Run(config, ctx, registry))
@@ -86,6 +86,38 @@ def trained(run: Run) -> TrainResult:
         return run.train()
     finally:
         run.reporter.files.close()
+
+
+def train_stages(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
+    """Train ``config``'s stages in order on this rank (every rank calls this together): a
+    :class:`Run` of each stage's config (:func:`~ups.core.engine._stages.runnable`), numbering
+    its steps on from the stage before's; a finished stage's weights kept for the later ones.
+    A resume skips the stages done. What the run did, over every stage it trained."""
+    RunFiles(config, ctx)  # config.yaml: the whole run's, with its stages
+    registry.manager.hook.ups_run_start(ctx=ctx, config=config)
+    resumes = config.checkpoint.resume == "latest" or bool(all_max(ctx, ctx.restart_count))
+    results: list[TrainResult] = []
+    start = 0
+    for index, stage in enumerate(config.stages):
+        done = (
+            decide(ctx, functools.partial(done_at, config.run_dir, stage.name)) if resumes else None
+        )
+        if done is not None:
+            start = done
+            continue
+        if ctx.is_main:
+            log.info(f"stage {index}: {stage.name}", stage=stage.name, start_step=start)
+        here = InStage(index=index, name=stage.name, start=start)
+        run = Run(runnable(config, index, ctx.device), ctx, registry, here)
+        result = trained(run)
+        results.append(result)
+        if result.preempted:
+            break
+        decide(
+            ctx, functools.partial(keep, run.config, run.parts.model, run.ema, here, result.steps)
+        )
+        start = result.steps
+    return together(results, start)
 
 
 @attrs.frozen

@@ -1,6 +1,7 @@
 """A run of several stages (``stages``): each stage a training of its own config
-(:func:`~ups.core.config._stages.stage_config`), run in order by every rank in one process
-group and one run folder, its steps numbered on from the stage before's.
+(:func:`~ups.core.config._config.stage_config`), run in order by every rank in one process
+group and one run folder (:func:`~ups.core.engine._run.train_stages`), its steps numbered on
+from the stage before's; this module holds what the stages hand on to one another.
 
 Each stage builds its own parts: a fresh optimizer, LR scheduler, gradient scaler, EMA,
 plateau watches, keep-best set and schedule (its rules count the stage's own steps), its data
@@ -18,7 +19,6 @@ A resume skips the stages done, and goes on in the stage its newest checkpoint w
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 from pathlib import Path
@@ -32,16 +32,11 @@ from torch import nn
 from ..checkpoint._files import write_atomically
 from ..checkpoint._model_state import load_model_state
 from ..checkpoint._serialize import load
-from ..config._config import Config, InitFrom
-from ..config._stages import stage_config, stage_refs
-from ..dist._collectives import all_max, decide
-from ..dist._context import RunContext
-from ..plugin._manager import Registry
+from ..config._config import Config, InitFrom, stage_config, stage_refs
 from ..plugin._records import TrainResult
-from ._parts import build_model
+from ._ema import EMA
 from ._resume import InStage
-from ._run import Run, trained
-from ._rundir import RunFiles
+from ._step import build_model
 
 log = structlog.get_logger()
 
@@ -56,34 +51,6 @@ WEIGHTS = {"latest": "model.pt", "ema": "ema.pt"}
 def kept(run_dir: Path, name: str, weights: str = "latest") -> Path:
     """The file holding stage ``name``'s kept ``weights`` in the run folder ``run_dir``."""
     return run_dir / KEPT / name / WEIGHTS[weights]
-
-
-def train_stages(config: Config, ctx: RunContext, registry: Registry) -> TrainResult:
-    """Train ``config``'s stages in order on this rank (every rank calls this together); what
-    the run did, over every stage it trained (a resume's: those left)."""
-    RunFiles(config, ctx)  # config.yaml: the whole run's, with its stages
-    registry.manager.hook.ups_run_start(ctx=ctx, config=config)
-    resumes = config.checkpoint.resume == "latest" or bool(all_max(ctx, ctx.restart_count))
-    results: list[TrainResult] = []
-    start = 0
-    for index, stage in enumerate(config.stages):
-        done = (
-            decide(ctx, functools.partial(_done, config.run_dir, stage.name)) if resumes else None
-        )
-        if done is not None:
-            start = done
-            continue
-        if ctx.is_main:
-            log.info(f"stage {index}: {stage.name}", stage=stage.name, start_step=start)
-        here = InStage(index=index, name=stage.name, start=start)
-        run = Run(runnable(config, index, ctx.device), ctx, registry, here)
-        result = trained(run)
-        results.append(result)
-        if result.preempted:
-            break
-        decide(ctx, functools.partial(_keep, run, here, result.steps))
-        start = result.steps
-    return _together(results, start)
 
 
 def runnable(config: Config, index: int, device: torch.device, *, trained: bool = True) -> Config:
@@ -137,29 +104,29 @@ def _load_kept(model: nn.Module, path: Path, index: int) -> None:
     )
 
 
-def _done(run_dir: Path, name: str) -> int | None:
+def done_at(run_dir: Path, name: str) -> int | None:
     """The step stage ``name`` ended at, if the run folder keeps it as done; else ``None``."""
     path = run_dir / KEPT / name / DONE
     return int(json.loads(path.read_text())["end"]) if path.is_file() else None
 
 
-def _keep(run: Run, stage: InStage, end: int) -> None:
-    """On rank 0: keep the finished stage's weights (and its EMA's) in ``stages/NAME/``, then
-    mark it done at step ``end``."""
-    folder = run.config.run_dir / KEPT / stage.name
+def keep(config: Config, model: nn.Module, ema: EMA | None, stage: InStage, end: int) -> None:
+    """Keep the finished ``stage``'s weights (``model``'s, and ``ema``'s) in
+    ``stages/NAME/``, then mark it done at step ``end`` (on rank 0)."""
+    folder = config.run_dir / KEPT / stage.name
     folder.mkdir(parents=True, exist_ok=True)
-    states = {"latest": run.parts.model.state_dict()}
-    if run.ema is not None:
-        states["ema"] = run.ema.state_dict()["model"]
+    states = {"latest": model.state_dict()}
+    if ema is not None:
+        states["ema"] = ema.state_dict()["model"]
     for weights, state in states.items():
         data = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in state.items()}, data)
-        write_atomically(kept(run.config.run_dir, stage.name, weights), data.getvalue())
+        write_atomically(kept(config.run_dir, stage.name, weights), data.getvalue())
     done = {"index": stage.index, "name": stage.name, "start": stage.start, "end": end}
     write_atomically(folder / DONE, json.dumps(done) + "\n")
 
 
-def _together(results: list[TrainResult], step: int) -> TrainResult:
+def together(results: list[TrainResult], step: int) -> TrainResult:
     """One result of the stages' ``results`` (``step``: where the run ended)."""
     if not results:
         log.info(f"the run is complete at step {step}: every stage is done", step=step)

@@ -286,6 +286,18 @@ def pick(batch: Any, where: Where, key: str) -> Any:
     raise StepError(f"{key}: a {type(batch).__name__} batch has no attribute or key {where!r}")
 
 
+def build_model(config: Config) -> nn.Module:
+    """Call ``model.factory(**model.options)``; check that it returns a module."""
+    from torch import nn  # building a model imports torch, building a step does not
+
+    model = load_object(config.model.factory, "model.factory")(**config.model.options)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            "model.factory", f"returned {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
+
+
 def build_step(config: Config) -> Step:
     """Call ``step.factory(**step.options)``; the built-in step (or a subclass that keeps its
     constructor, loss and metrics) also takes ``training.loss`` and ``metrics.factory``'s
