@@ -218,9 +218,11 @@ class TrainingState:
             ema=self.ema.state_dict() if self.ema is not None else {},
             stage=self.stage,
         )
+        # metrics only when given: a backend written before keep_best takes no such argument
+        extra = {"metrics": metrics} if metrics is not None else {}
         with self.faults.saving(step):
             location = self.checkpointer.save(
-                saved.to_dict(), step=step, rank_state=own.to_dict(), metrics=metrics
+                saved.to_dict(), step=step, rank_state=own.to_dict(), **extra
             )
         self.hook.ups_checkpoint_saved(ctx=self.ctx, step=step, location=location)
         log.info("checkpoint saved", step=step, location=location)
