@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ups.core import config_from_mapping, train
+from ups.core import config_from_mapping, load_model, train
 from ups.core.config._config import stage_config
 from ups.core.testing import (
     assert_bitwise_equal,
@@ -138,6 +138,9 @@ def test_a_later_stage_gets_an_earlier_stages_trained_model_frozen(tmp_path: Pat
     assert set(model) == {f"operator.{k}" for k in operator} | {
         f"correction.{k}" for k in ("0.weight", "0.bias", "2.weight", "2.bias")
     }
+    loaded = load_model(run_dir)  # the model of the stage that saved it, as that stage built it
+    assert type(loaded).__name__ == "Residual"
+    assert_bitwise_equal(dict(loaded.state_dict()), dict(model), "load_model")
 
 
 TRACKER = """

@@ -51,6 +51,9 @@ class Weights:
 
     state: dict[str, Any]
     source: str
+    stage: int = 0
+    """The index of the run's stage that saved them (``stages``; ``0`` for a run without, and
+    for a ``state_dict`` file)."""
 
 
 def source_problem(path: Path, which: str) -> str | None:
@@ -132,8 +135,9 @@ def read_weights(
                 f"{path} has no {STATE_FILE} (its backend keeps the state otherwise, as "
                 "'sharded' does): give its run folder, whose backend reads it",
             )
+        saved = _read_file(path / STATE_FILE)
         return Weights(
-            _model_of(_read_file(path / STATE_FILE), which, str(path), key, weights_key), str(path)
+            _model_of(saved, which, str(path), key, weights_key), str(path), _stage(saved)
         )
     return _read_run(path, which, key, weights_key)
 
@@ -243,8 +247,16 @@ def _read_run(folder: Path, which: str, key: str, weights_key: str) -> Weights:
     if loaded is None:
         raise ConfigError(key, f"the run folder {folder} holds no committed checkpoint")
     return Weights(
-        _model_of(loaded.state, which, loaded.location, key, weights_key), loaded.location
+        _model_of(loaded.state, which, loaded.location, key, weights_key),
+        loaded.location,
+        _stage(loaded.state),
     )
+
+
+def _stage(state: dict[str, Any]) -> int:
+    """The stage a checkpoint's training state was saved in (``0`` before stages)."""
+    stage = state.get("stage", 0)
+    return stage if isinstance(stage, int) else 0
 
 
 def _load_best(checkpointer: Checkpointer, backend: str, folder: Path, weights_key: str) -> Loaded:

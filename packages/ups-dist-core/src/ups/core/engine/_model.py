@@ -25,6 +25,7 @@ from ..checkpoint._weights import (
 )
 from ..config._config import InitFrom, load_config
 from ..dist._context import RunContext
+from ._stages import runnable
 from ._step import build_model
 
 log = structlog.get_logger()
@@ -37,7 +38,8 @@ def load_model(
     device: str | torch.device = "cpu",
 ) -> nn.Module:
     """The model of the run folder ``run_dir``, built as its ``config.yaml`` says
-    (``model.factory`` and ``model.options``) and holding its weights ``weights`` (see the
+    (``model.factory`` and ``model.options``; in a run of ``stages``, those of the stage that
+    saved the weights) and holding its weights ``weights`` (see the
     module doc), on ``device``; in this process, with no process group. The folder may have
     been moved or copied together with the project its factory paths name (they are kept
     relative to the folder). It is returned as built (in training mode: call ``.eval()`` to
@@ -55,8 +57,11 @@ def load_model(
     ):
         if problem is not None:
             raise ValueError(f"{name}: {problem}")
-    model = build_model(load_config(folder / RUN_CONFIG))
     read = read_weights(folder, weights, key="run_dir", weights_key="weights")
+    config = load_config(folder / RUN_CONFIG)
+    if config.stages:  # the model of the stage that saved the weights, as that stage built it
+        config = runnable(config, read.stage, torch.device(device), trained=False)
+    model = build_model(config)
     load_model_state(
         model,
         read.state,
