@@ -285,3 +285,13 @@ def test_a_rank_stuck_reading_the_last_evaluation_is_named(tmp_path: Path) -> No
     logs = tmp_path / "runs" / "tiny" / "logs"
     stuck = [e for e in events(logs / "rank0.jsonl") if e["event"] == "ranks stopped answering"]
     assert "time.sleep(1)" in stuck[0]["stack"]  # where rank 0 is: reading the data
+
+
+def test_bad_input_every_rank_builds_alike_is_rank_0s_error_on_every_rank(tmp_path: Path) -> None:
+    """Every rank fails alike building its parts from bad input (which ``ups validate`` would
+    have refused; a sweep's trial is not validated): rank 0 raises its own error, the others
+    one naming it, so whichever rank exits first the launcher reports rank 0's error."""
+    config = tiny_project(tmp_path, training={"optimizer": "no_such_optimizer"})
+    rank_0, rank_1 = run_ranks(outcome, 2, config)
+    assert rank_0[0] == "ConfigError" and "training.optimizer: unknown" in rank_0[1]
+    assert rank_1 == ("RankUsageError", f"rank 0 failed: ConfigError: {rank_0[1]}")

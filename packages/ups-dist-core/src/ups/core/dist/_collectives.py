@@ -69,8 +69,15 @@ def decide(
         raise failed
     status, value = typing.cast(tuple[str, Any], payload[0])
     if status == "error":
-        raise RankFailedError.naming(f"rank 0 failed: {value.kind}: {value.message}", value)
+        raise _failed(value)
     return typing.cast(T, value)
+
+
+def _failed(failure: Failure) -> RankFailedError:
+    """The error a rank raises for another rank's ``failure``: it names that rank and error."""
+    return RankFailedError.naming(
+        f"rank {failure.rank} failed: {failure.kind}: {failure.message}", failure
+    )
 
 
 @attrs.frozen
@@ -116,6 +123,20 @@ Raising = Callable[[list[Failure], Exception | None], BaseException | None]
 this rank's own error (``None``: this rank did not fail): the error to raise (this rank's own
 error, re-raised as it is, or another, raised from it), or ``None`` to go on together (the
 failures were tolerated, as a step that ran out of memory is skipped)."""
+
+
+def first_failure(rank: int) -> Raising:
+    """An :class:`Agreement`'s ``raising`` for work every rank does alike (building from the
+    config): the lowest rank that failed raises its own error, every other rank (failed too or
+    not) an error naming it, a :class:`RankUsageError` where it was bad input. So ranks that
+    fail alike are reported as the lowest rank's error whichever of them exits first, and
+    ``rank`` is this rank."""
+
+    def raising(failures: list[Failure], error: Exception | None) -> BaseException:
+        first = min(failures, key=lambda failure: failure.rank)
+        return error if error is not None and first.rank == rank else _failed(first)
+
+    return raising
 
 
 class Agreement:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from ..config._config import Config
 from ..config._validate import check_data, check_loader, select_sampler
+from ..dist._collectives import Agreement, first_failure
 from ..dist._context import RunContext
 from ..observe._profiling import CommCounter
 from ..plugin._manager import Registry
@@ -60,26 +61,30 @@ def build_parts(
 ) -> Parts:
     """Build the run's parts from ``config`` on this rank (a collective: DDP's construction
     broadcasts rank 0's weights); ``batch_size``: the training loader's, as the run starts."""
-    check_loader(config.data.loader)
-    step = build_step(config)
-    model = build_model(config).to(ctx.device)
-    if ctx.distributed and config.distributed.sync_batchnorm:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
-    dataset, sampler, even = _data(config, ctx, registry)
-    loader = run_loader(config, ctx, dataset, sampler, batch_size)
-    eval_loader = _eval_loader(config, ctx, registry) if to_train else None
-    check_data(config, loader, eval_loader, ctx.world_size)
     t = config.training
+    # What each rank builds alone, agreed before DDP's first collective: bad input fails every
+    # rank alike, and every rank then names the lowest rank's error (no rank left waiting).
+    with Agreement(ctx, first_failure(ctx.rank)):
+        check_loader(config.data.loader)
+        step = build_step(config)
+        model = build_model(config).to(ctx.device)
+        if ctx.distributed and config.distributed.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
+        dataset, sampler, even = _data(config, ctx, registry)
+        loader = run_loader(config, ctx, dataset, sampler, batch_size)
+        eval_loader = _eval_loader(config, ctx, registry) if to_train else None
+        check_data(config, loader, eval_loader, ctx.world_size)
+        optimizer = build_optimizer(  # the model's parameters are DDP's, in the same order
+            t.optimizer,
+            model.parameters(),
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            options=t.optimizer_options,
+            device=ctx.device,
+        )
+        scheduler = build_scheduler(t.scheduler, optimizer, t.scheduler_options)
     ddp = wrap(torch.compile(model) if t.compile else model, ctx, config)  # type: ignore[arg-type]
     comm, comm_state = _comm_hook(config, ctx, registry, ddp)
-    optimizer = build_optimizer(
-        t.optimizer,
-        ddp.parameters(),
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        options=t.optimizer_options,
-        device=ctx.device,
-    )
     checkpointer = None
     if to_train:
         plugin, options = registry.select(
@@ -98,7 +103,7 @@ def build_parts(
         comm=comm,
         comm_state=comm_state,
         optimizer=optimizer,
-        scheduler=build_scheduler(t.scheduler, optimizer, t.scheduler_options),
+        scheduler=scheduler,
         checkpointer=checkpointer,
     )
 
