@@ -14,7 +14,8 @@ files written (size and CRC-32) are gathered to rank 0, which checks that the st
 there at their sizes, commits the checkpoint as ``step-<N>`` with its ``COMMIT`` manifest
 (and the evaluated values it was saved for), points ``latest`` at it, with keep-best points
 ``best`` at the best checkpoint (:mod:`~ups.core.checkpoint._best`: ranked by the values the
-manifests record) and deletes what retention lets go
+manifests record, among those of the stage saving in a run of stages) and deletes what
+retention lets go
 (:func:`~ups.core.checkpoint._retention.expired`), never a best one. A checkpoint without a readable ``COMMIT`` is never
 loaded. Loading takes the checkpoint ``latest`` names if its files match the manifest's sizes
 and CRC-32s, else the newest committed one that does (with a warning naming each damaged one
@@ -41,7 +42,7 @@ from ..config._arguments import saved_rank_state, wrong_type
 from ..dist._collectives import Agreement
 from ..dist._context import RunContext
 from ..plugin._records import Loaded
-from ._best import BEST_POINTER, KeepBest, ranked
+from ._best import BEST_POINTER, KeepBest, kept_apart, stage_best, stage_of
 from ._errors import CheckpointError, disk_full, failing, on_main
 from ._manifest import Manifest, read_committed
 from ._retention import prune
@@ -229,7 +230,9 @@ class Committing:
     ) -> str:
         """Save rank 0's ``state`` and every rank's ``rank_state`` (``None``: none, loaded
         back as ``{}``) as checkpoint ``step``, its manifest recording rank 0's ``metrics``
-        (the evaluated values it is saved for: keep-best ranks it by its monitored one).
+        (the evaluated values it is saved for: keep-best ranks it by its monitored one; in a run of
+        stages also ``stage``, the index of the stage saving, given to every save of a stage
+        with keep-best).
 
         A collective: every rank calls it. Returns where it was committed, on every rank.
 
@@ -407,7 +410,9 @@ class Committing:
         key = step_key(step)
         self.storage.set_pointer(LATEST_FILE, key)
         committed = self.committed()
-        best = self._best(committed)
+        recorded = {c.step: c.manifest.metrics for c in committed}
+        keep, stage = self.keep_best, stage_of(metrics)
+        best = [] if keep is None else stage_best(recorded, stage, keep)
         if best:
             self.storage.set_pointer(BEST_POINTER, step_key(best[0]))
         prune(
@@ -416,23 +421,10 @@ class Committing:
             keep_last=self._keep_last,
             keep_every=self._keep_every,
             protected=step,
-            kept=best,
+            kept=[*best, *kept_apart(recorded, None if keep is None else stage)],
             named=self.storage.location,
         )
         return self.storage.location(key)
-
-    def _best(self, committed: Iterable[Committed]) -> list[int]:
-        """The steps of the best checkpoints ``committed`` by keep-best's monitored value, as
-        their manifests record it, best first (none without keep-best)."""
-        keep = self.keep_best
-        if keep is None:
-            return []
-        scores = {
-            c.step: c.manifest.metrics[keep.monitor]
-            for c in committed
-            if keep.monitor in c.manifest.metrics
-        }
-        return ranked(scores, keep)
 
     def _verify(self, staged: str, files: dict[str, FileRecord]) -> None:
         """Check that the storage has every staged file at the size recorded as it was

@@ -20,9 +20,10 @@ from typing import Any, Literal, TypeVar
 import attrs
 import yaml
 
+from ..checkpoint._best import keep_best
 from ..engine._schedule import Rule
 from ._errors import ConfigError, UsageError, did_you_mean, one_of
-from ._stages import Ref, merged, option_refs, picked, run_key
+from ._stages import KEPT_WEIGHTS, Ref, merged, option_refs, picked, run_key
 from ._structure import above, at_least, at_most, structure
 from ._user_code import resolve_spec
 
@@ -82,7 +83,8 @@ class InitFrom:
     ``state_dict`` (``ups export``'s); relative to the config's folder."""
     stage: str | None = None
     """Instead of ``path``: an earlier stage of this run (``stages``), by name; its final
-    weights (``weights: latest``) or its EMA's (``weights: ema``)."""
+    weights (``weights: latest``), its EMA's (``weights: ema``) or its best checkpoint's
+    (``weights: best``, a stage with ``checkpoint.options.keep_best``)."""
     strict: bool = True
     """``false``: load the parameters and buffers found on both sides, and log the model's
     missing and the file's unexpected names in one line each; shapes that differ are refused
@@ -90,15 +92,14 @@ class InitFrom:
     weights: Literal["latest", "best", "ema"] = "latest"
     """Which weights of a run folder (or checkpoint folder): ``latest`` (its newest
     checkpoint's), ``ema`` (that checkpoint's average of the weights, a run with
-    ``training.ema``); ``best`` is refused until best checkpoints can be read."""
+    ``training.ema``), ``best`` (the checkpoint its ``best`` pointer names, a run with
+    ``checkpoint.options.keep_best``)."""
 
     def __attrs_post_init__(self) -> None:
         if (self.path is None) == (self.stage is None):
             raise ValueError(
                 "give one of path (weights saved somewhere) and stage (an earlier stage's)"
             )
-        if self.stage is not None and self.weights == "best":
-            raise ValueError("a stage keeps its final weights and its EMA's: weights latest or ema")
 
 
 @attrs.frozen(kw_only=True)
@@ -635,11 +636,18 @@ def _check_refs(config: Config, index: int, staged: Config, earlier: Mapping[str
                 where,
                 f"{name!r} is no earlier stage; allowed: {allowed}{did_you_mean(name, earlier)}",
             )
-        if weights not in ("latest", "ema"):
-            raise ConfigError(where, f"weights {weights!r}: a stage keeps latest and ema")
-        if weights == "ema" and stage_config(config, earlier[name]).training.ema is None:
+        if weights not in KEPT_WEIGHTS:
+            raise ConfigError(where, f"weights {weights!r}: a stage keeps {one_of(KEPT_WEIGHTS)}")
+        earlier_config = stage_config(config, earlier[name])
+        if weights == "ema" and earlier_config.training.ema is None:
             raise ConfigError(
                 where, f"weights ema: stage {name!r} keeps no EMA (it has no training.ema)"
+            )
+        if weights == "best" and keep_best(earlier_config.checkpoint.options) is None:
+            raise ConfigError(
+                where,
+                f"weights best: stage {name!r} keeps no best checkpoint (it has no "
+                "checkpoint.options.keep_best)",
             )
 
 

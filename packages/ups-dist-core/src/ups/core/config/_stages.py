@@ -28,7 +28,10 @@ RUN_KEYS = (
 
 REF_KEYS = frozenset({"stage", "weights"})
 """The keys of a factory option's value that names an earlier stage's model:
-``{stage: NAME}``, ``{stage: NAME, weights: latest|ema}``."""
+``{stage: NAME}``, ``{stage: NAME, weights: latest|ema|best}``."""
+KEPT_WEIGHTS = ("latest", "ema", "best")
+"""The weights a finished stage keeps (``ema``: with ``training.ema``; ``best``: with
+``checkpoint.options.keep_best``), which a later stage may name."""
 
 
 @attrs.frozen

@@ -23,7 +23,7 @@ import structlog
 from pluggy import HookRelay
 
 from ..checkpoint._best import KEY as KEEP_BEST
-from ..checkpoint._best import admit, keep_best
+from ..checkpoint._best import STAGE, admit, keep_best
 from ..config._config import Config
 from ..dist._collectives import all_max, decide
 from ..dist._context import RunContext
@@ -48,7 +48,7 @@ from ._parts import Parts, build_parts, run_loader
 from ._resume import InStage, Position, Resumed, TrainingState
 from ._rundir import RunFiles, own_run_dir
 from ._schedule import Schedule, agreed_value, apply_lr_multiplier
-from ._stages import done_at, keep, runnable, together
+from ._stages import best_model, done_at, keep, runnable, together
 from ._step import has_metrics
 from ._update import Forward, Stepper
 
@@ -113,9 +113,9 @@ def train_stages(config: Config, ctx: RunContext, registry: Registry) -> TrainRe
         results.append(result)
         if result.preempted:
             break
-        decide(
-            ctx, functools.partial(keep, run.config, run.parts.model, run.ema, here, result.steps)
-        )
+        best = best_model(run.state.checkpointer, run.state.best) if run.keep_best else None
+        model, ema = run.parts.model, run.ema
+        decide(ctx, functools.partial(keep, run.config, model, ema, here, result.steps, best))
         start = result.steps
     return together(results, start)
 
@@ -494,9 +494,14 @@ class Run:
 
     def _checkpoint(self, best: dict[str, float] | None = None) -> None:
         """Save this step (for ``best``: keep-best's monitored value, as :meth:`_admit` gives
-        it); a new best is written to ``metrics.jsonl``, where ``ups report`` names it."""
+        it); a new best is written to ``metrics.jsonl``, where ``ups report`` names it. A
+        later stage with keep-best records its stage with every save (keep-best ranks each
+        stage's own checkpoints: :mod:`~ups.core.checkpoint._best`)."""
         self.reporter.check_finite(self.step)
-        self._location, self._saved_at = self.state.save(self.position, best), self.step
+        recorded = best
+        if self.keep_best is not None and self.stage is not None and self.stage.index:
+            recorded = {**(best or {}), STAGE: float(self.stage.index)}
+        self._location, self._saved_at = self.state.save(self.position, recorded), self.step
         if best is not None and next(iter(self.state.best)) == self.step:
             self.reporter.files.metrics("best", self.step, best)
             log.info("best checkpoint", step=self.step, location=self._location, **best)

@@ -8,8 +8,9 @@ plateau watches, keep-best set and schedule (its rules count the stage's own ste
 order and initial weights as a run of its config alone would have them; only the step
 numbers (``metrics.jsonl``, the trackers, checkpoints, ``ups report``) go on. A finished
 stage's weights are kept in ``stages/NAME/`` (:data:`KEPT`): ``model.pt``, its final
-``state_dict``, ``ema.pt`` its EMA's (with ``training.ema``), and last ``stage.json``, which
-marks it done. A later stage starts from them (``model.init_from: {stage: NAME}``) or gets
+``state_dict``, ``ema.pt`` its EMA's (with ``training.ema``), ``best.pt`` its best
+checkpoint's (with ``checkpoint.options.keep_best``: the checkpoint ``best`` names once it
+ends), and last ``stage.json``, which marks it done. A later stage starts from them (``model.init_from: {stage: NAME}``) or gets
 the model they make, frozen, as a factory's keyword argument (a ``{stage: NAME}`` option of
 ``model.options`` or ``step.options``: :func:`runnable`).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,9 @@ from ..checkpoint._files import write_atomically
 from ..checkpoint._model_state import load_model_state
 from ..checkpoint._serialize import load
 from ..config._config import Config, InitFrom, stage_config, stage_refs
-from ..plugin._records import TrainResult
+from ..plugin._records import Checkpointer, Loaded, TrainResult
 from ._ema import EMA
-from ._resume import InStage
+from ._resume import InStage, Saved
 from ._step import build_model
 
 log = structlog.get_logger()
@@ -44,7 +46,7 @@ KEPT = "stages"
 """The run folder's folder of the stages' kept weights, one folder per stage's name."""
 DONE = "stage.json"
 """A stage's file saying it is done (``{"index", "name", "start", "end"}``), written last."""
-WEIGHTS = {"latest": "model.pt", "ema": "ema.pt"}
+WEIGHTS = {"latest": "model.pt", "ema": "ema.pt", "best": "best.pt"}
 """The kept file of each choice of weights."""
 
 
@@ -110,14 +112,36 @@ def done_at(run_dir: Path, name: str) -> int | None:
     return int(json.loads(path.read_text())["end"]) if path.is_file() else None
 
 
-def keep(config: Config, model: nn.Module, ema: EMA | None, stage: InStage, end: int) -> None:
-    """Keep the finished ``stage``'s weights (``model``'s, and ``ema``'s) in
-    ``stages/NAME/``, then mark it done at step ``end`` (on rank 0)."""
+def best_model(checkpointer: Checkpointer, best: Mapping[int, float]) -> dict[str, Any] | None:
+    """The weights of a finished stage's best checkpoint, the one ``checkpointer``'s ``best``
+    pointer names, read on every rank (a collective), when it is one of the stage's ``best``
+    (keep-best's kept set, ``{step: value}``); ``None`` when the stage kept none."""
+    load_best = getattr(checkpointer, "load_best", None)
+    loaded: Loaded | None = load_best() if best and callable(load_best) else None
+    if loaded is None or loaded.step not in best:
+        return None
+    model: dict[str, Any] = Saved.from_dict(loaded.state, loaded.location).model
+    return model
+
+
+def keep(
+    config: Config,
+    model: nn.Module,
+    ema: EMA | None,
+    stage: InStage,
+    end: int,
+    best: Mapping[str, Any] | None = None,
+) -> None:
+    """Keep the finished ``stage``'s weights (``model``'s, ``ema``'s, and its ``best``
+    checkpoint's, :func:`best_model`) in ``stages/NAME/``, then mark it done at step ``end``
+    (on rank 0)."""
     folder = config.run_dir / KEPT / stage.name
     folder.mkdir(parents=True, exist_ok=True)
-    states = {"latest": model.state_dict()}
+    states: dict[str, Mapping[str, Any]] = {"latest": model.state_dict()}
     if ema is not None:
         states["ema"] = ema.state_dict()["model"]
+    if best is not None:
+        states["best"] = best
     for weights, state in states.items():
         data = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in state.items()}, data)
