@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ups.core import RunContext, train
+from ups.core import ConfigError, RunContext, config_from_mapping, train
 from ups.core.checkpoint import SimpleCheckpointer, SimpleCheckpointOptions
 from ups.core.checkpoint._best import STAGE, KeepBest, admit
+from ups.core.engine._stages import runnable
 from ups.core.testing import assert_bitwise_equal, read_checkpoint, run_ups, tiny_project
 
 EVAL = {"factory": "tiny.py:build_dataset", "options": {"n": 67}, "every_steps": 2}
@@ -143,3 +145,26 @@ def test_the_best_of_a_stage_without_keep_best_is_one_line(
         f"ups: error: {config}: stages[1].{key}: weights best: stage 'a' keeps no best "
         "checkpoint (it has no checkpoint.options.keep_best)"
     ]
+
+
+def test_a_stage_that_kept_no_best_weights_is_one_line_where_a_later_stage_reads_them(
+    tmp_path: Path,
+) -> None:
+    """A stage with keep-best whose evaluations were never ranked (all NaN) leaves no
+    ``best.pt``; here stage ``first`` has left nothing yet: stage ``second``, which starts
+    from its best, fails with one ConfigError at its key, not a FileNotFoundError."""
+    stages = [
+        {"name": "first", "max_steps": 2, "overrides": {"checkpoint": {"options": KEEP}}},
+        {
+            "name": "second",
+            "max_steps": 2,
+            "overrides": {"model": {"init_from": {"stage": "first", "weights": "best"}}},
+        },
+    ]
+    config = config_from_mapping(
+        yaml.safe_load(tiny_project(tmp_path, eval=EVAL, stages=stages).read_text()), tmp_path
+    )
+    with pytest.raises(
+        ConfigError, match=r"^model\.init_from\.weights: stage 'first' kept no best"
+    ):
+        runnable(config, 1, torch.device("cpu"))

@@ -35,6 +35,7 @@ from ..checkpoint._files import write_atomically
 from ..checkpoint._model_state import load_model_state
 from ..checkpoint._serialize import load
 from ..config._config import Config, InitFrom, stage_config, stage_refs
+from ..config._errors import ConfigError
 from ..plugin._records import Checkpointer, Loaded, TrainResult
 from ._ema import EMA
 from ._resume import InStage, Saved
@@ -55,6 +56,19 @@ def kept(run_dir: Path, name: str, weights: str = "latest") -> Path:
     return run_dir / KEPT / name / WEIGHTS[weights]
 
 
+def kept_to_read(run_dir: Path, name: str, weights: str, key: str) -> Path:
+    """:func:`kept`, for a later stage to read: a stage that kept no such weights (its best,
+    where it ended before any evaluation was ranked) is a :class:`ConfigError` at ``key``."""
+    path = kept(run_dir, name, weights)
+    if not path.is_file():
+        raise ConfigError(
+            key,
+            f"stage {name!r} kept no {weights} weights ({path} is missing: no evaluation of "
+            f"it was ranked before it ended); use weights: latest",
+        )
+    return path
+
+
 def runnable(config: Config, index: int, device: torch.device, *, trained: bool = True) -> Config:
     """Stage ``index``'s config as its training takes it: ``model.init_from.stage`` as the
     earlier stage's kept file, and each ``{stage: NAME}`` option of ``model.options`` and
@@ -66,14 +80,17 @@ def runnable(config: Config, index: int, device: torch.device, *, trained: bool 
     names = {stage.name: i for i, stage in enumerate(config.stages)}
     init_from = staged.model.init_from
     if trained and init_from is not None and init_from.stage is not None:
-        path = kept(config.run_dir, init_from.stage, init_from.weights)
+        path = kept_to_read(
+            config.run_dir, init_from.stage, init_from.weights, "model.init_from.weights"
+        )
         init_from = InitFrom(path=str(path), strict=init_from.strict)
     options: dict[str, dict[str, Any]] = {
         "model": dict(staged.model.options),
         "step": dict(staged.step.options),
     }
     for ref in stage_refs(staged):
-        earlier = frozen(config, names[ref.stage], ref.weights, device, trained=trained)
+        key = f"{ref.section}.options.{ref.option}"
+        earlier = frozen(config, names[ref.stage], ref.weights, device, key, trained=trained)
         options[ref.section][ref.option] = earlier
     model = attrs.evolve(staged.model, options=options["model"], init_from=init_from)
     return attrs.evolve(
@@ -82,14 +99,21 @@ def runnable(config: Config, index: int, device: torch.device, *, trained: bool 
 
 
 def frozen(
-    config: Config, index: int, weights: str, device: torch.device, *, trained: bool = True
+    config: Config,
+    index: int,
+    weights: str,
+    device: torch.device,
+    key: str,
+    *,
+    trained: bool = True,
 ) -> nn.Module:
     """The model of ``config``'s stage ``index``, holding its kept ``weights`` (not
-    ``trained``: as built), frozen: in ``eval()`` mode, no gradients, on ``device``."""
+    ``trained``: as built), frozen: in ``eval()`` mode, no gradients, on ``device``; ``key``:
+    the option that names it, for errors."""
     name = config.stages[index].name
     model = build_model(runnable(config, index, device, trained=trained))
     if trained:
-        _load_kept(model, kept(config.run_dir, name, weights), index)
+        _load_kept(model, kept_to_read(config.run_dir, name, weights, key), index)
     return model.to(device).eval().requires_grad_(False)
 
 
