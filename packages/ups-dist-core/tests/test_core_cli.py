@@ -25,7 +25,7 @@ def test_validate_accepts_a_good_config(project: Path) -> None:
         (
             "training.epoch=2",
             "training.epoch: unknown key; allowed: accumulation_steps, batch_size, compile, "
-            "epochs, grad_clip_norm",
+            "ema, epochs, grad_clip_norm",
         ),
         ("sampler.name=torc", "sampler.name: unknown sampler 'torc'; available: "),
         ("model.factory=tiny.py:nope", "model.factory: "),
