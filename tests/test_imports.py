@@ -16,9 +16,10 @@ PUBLIC_FILES = {"__init__.py", "__main__.py", "plugin.py", "hookspecs.py", "py.t
 """The files of a package that are not private: its ``__init__`` and ``__main__``, the entry
 point's module (``plugin.py``), and the hooks of the plugin contract (``ups.core.plugin.hookspecs``,
 read as its table of contents)."""
-SHIMS = {"batches.py", "schedule.py", "builtins.py"}
-"""Modules of ``ups.core`` kept at their former names for users' code (docs named them): each
-imports its names from a sub-package, and no distribution imports them."""
+SHIMS = {"batches.py", "schedule.py", "builtins.py", "arguments.py"}
+"""Modules of ``ups.core`` kept at their former names for users' code (docs named them, and
+``arguments`` was public): each imports its names from a sub-package, and no distribution
+imports them."""
 
 
 def packages() -> dict[str, Path]:
