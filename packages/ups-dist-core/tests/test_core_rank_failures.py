@@ -8,11 +8,13 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from ups.core import rank_failures
+from ups.core.cli._common import failed as report_failure
 
 CAUSE = "ConfigError: training.optimizer: unknown 'adamm'"
 
@@ -74,3 +76,20 @@ def test_the_first_error_written_comes_first_within_a_second(tmp_path: Path) -> 
     late, early = "OSError: broken pipe", "RuntimeError: injected error"
     error = failed(tmp_path, {0: (late, 100.7), 1: (early, 100.2)})
     assert rank_failures(error) == [(1, early), (0, late)]
+
+
+def test_a_refusal_naming_a_stopped_ranks_error_prints_that_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1 exited 2 repeating rank 0's bad-input error, and the launcher stopped rank 0
+    (SIGTERM) after it had written that error: ``ups`` says rank 0's error, once, exit 2 (it
+    said nothing when it kept only the messages of the ranks that exited 2)."""
+    said = {0: CAUSE, 1: f"RankUsageError: rank 0 failed: {CAUSE}"}
+    failures = {}
+    for rank, message in said.items():
+        error_file = tmp_path / f"error{rank}.json"
+        data = {"message": {"message": message, "extraInfo": {"timestamp": 100}}}
+        error_file.write_text(json.dumps(data))
+        failures[rank] = ProcessFailure(rank, 1000 + rank, -15 if rank == 0 else 2, str(error_file))
+    assert report_failure(ChildFailedError("ups", failures)) == 2
+    assert capsys.readouterr().err.splitlines() == [f"ups: rank 0 failed: {CAUSE}"]

@@ -109,7 +109,9 @@ def failed(error: ChildFailedError, logs_dir: Path | None = None) -> int:
     usage = EXIT_USAGE in codes and all(c == EXIT_USAGE or c < 0 for c in codes)
     refused = {failure_message(f) for f in failures if f.exitcode == EXIT_USAGE}
     for rank, message in rank_failures(error):
-        if usage and message not in refused:  # a rank stopped, however late it said it
+        # a rank stopped, however late it said it; but not the error a refusal names (rank 0's,
+        # which another rank repeated and exited 2 with, before rank 0 was stopped)
+        if usage and not any(message in said for said in refused):
             continue
         line = f"ups: rank {rank} failed: {message}"
         log_file = None if logs_dir is None else logs_dir / f"rank{rank}.jsonl"
