@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from ups.core import RunContext
 from ups.core.dist._preemption import CHECK_EVERY_S, Preemption
-from ups.core.testing import run_ranks
+from ups.core.testing import events, run_ranks
 
 
 def polls_until_stopped(ctx: RunContext, signalled_rank: int, at: int, step_s: float) -> int:
@@ -47,3 +50,44 @@ def test_no_signal_watched_never_stops() -> None:
     with Preemption(RunContext(), []) as preemption:
         assert not preemption.agreed()
         assert not preemption.stopped
+
+
+SIGNAL_WHILE_LOGGING = """
+import os, signal, sys
+from pathlib import Path
+
+from ups.core import Preemption, RunContext
+from ups.core.observe import _logs as logs
+
+ctx = RunContext()
+logs.configure(ctx)
+with logs.rank_log_file(ctx, Path(sys.argv[1])), Preemption(ctx) as preemption:
+    [tee] = [p for p in logs.structlog.get_config()["processors"] if isinstance(p, logs._RankFile)]
+    with tee._lock:  # as if this rank were writing a log line when the signal comes
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for _ in range(1000):  # the handler runs at one of these bytecodes, lock held
+            pass
+    assert preemption.agreed()
+print("stopped")
+"""
+
+
+def test_a_signal_while_the_rank_writes_a_log_line_does_not_hang_it(tmp_path: Path) -> None:
+    """The handler only notes the signal; the warning is logged by ``agreed()``: a handler
+    that logged waited forever for the log file's lock its own thread held (a rank hung so in
+    CI, mid-way through a line, when SLURM's preemption notice came)."""
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNAL_WHILE_LOGGING, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "stopped"
+    assert (
+        events(
+            tmp_path / "logs" / "rank0.jsonl",
+            "preemption signal: saving at the next step boundary, then stopping",
+        )[0]["signal"]
+        == "SIGUSR1"
+    )

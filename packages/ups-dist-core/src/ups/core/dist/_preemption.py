@@ -101,6 +101,8 @@ class Preemption:
         """The call that checks next."""
         self._checked: tuple[int, float] | None = None
         """The call that checked last, and when."""
+        self._said = False
+        """Whether this rank has logged the signal it got (at its first call after it)."""
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():
@@ -119,6 +121,13 @@ class Preemption:
     def agreed(self) -> bool:
         """Whether the ranks agree to stop here, some rank having been signalled (every rank
         calls this once per step; the answer is the same on every rank, at the same call)."""
+        if self.received is not None and not self._said:
+            self._said = True
+            log.warning(
+                "preemption signal: saving at the next step boundary, then stopping",
+                signal=self.received.name,
+                rank=self.ctx.rank,
+            )
         if not self.ctx.distributed or not self.signals:  # nothing to agree on
             self.stopped = self.received is not None
             return self.stopped
@@ -150,13 +159,10 @@ class Preemption:
         return max(1, min(MOST_STEPS, int(CHECK_EVERY_S / max(per_step, 1e-9))))
 
     def _handle(self, signum: int, _frame: types.FrameType | None) -> None:
+        # No logging here: the handler runs between two bytecodes of the main thread, which
+        # may hold the log file's lock right then (a rank hung so, in CI); agreed() says it.
         sig = signal.Signals(signum)
         if self.received is None:
             self.received = sig
-            log.warning(
-                "preemption signal: saving at the next step boundary, then stopping",
-                signal=sig.name,
-                rank=self.ctx.rank,
-            )
         # A second signal acts as it would have without us.
         signal.signal(sig, self._previous.get(sig, signal.SIG_DFL))
