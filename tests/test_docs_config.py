@@ -73,7 +73,7 @@ def documented_default(cell: str) -> Any:
 def test_every_section_is_documented() -> None:
     for name in (*TABLED, "schedule"):
         section(f"`{name}`")
-    assert set(PLUGIN_SECTIONS) == {"sampler", "comm_hook", "checkpoint", "launch"}
+    assert set(PLUGIN_SECTIONS) == {"sampler", "comm_hook", "strategy", "checkpoint", "launch"}
 
 
 @pytest.mark.parametrize("name", sorted(TABLED))
@@ -92,7 +92,7 @@ def test_a_section_has_a_row_per_key_with_its_default(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(PLUGIN_SECTIONS))
 def test_a_plugin_section_names_every_key_and_its_default(name: str) -> None:
-    text = section("Plugin sections: `sampler`, `comm_hook`, `checkpoint`, `launch`")
+    text = section("Plugin sections: `sampler`, `comm_hook`, `strategy`, `checkpoint`, `launch`")
     assert set(rows(text)) == {f.name for f in attrs.fields(PluginChoice)}
     row = next(line for line in text.splitlines() if line.startswith(f"| `{name}` "))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
@@ -113,6 +113,6 @@ def test_the_simple_checkpoint_backend_has_a_row_per_option() -> None:
     """Every option of the built-in ``simple`` backend (``keep_best`` too) has its row."""
     from ups.core.checkpoint import SimpleCheckpointOptions
 
-    text = section("Plugin sections: `sampler`, `comm_hook`, `checkpoint`, `launch`")
+    text = section("Plugin sections: `sampler`, `comm_hook`, `strategy`, `checkpoint`, `launch`")
     for key in attrs.fields_dict(SimpleCheckpointOptions):
         assert f"| `checkpoint` | `simple` | `{key}` |" in text, f"checkpoint.options.{key}"

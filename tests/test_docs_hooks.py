@@ -21,15 +21,17 @@ import pytest
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Sampler
 
-from ups.core import RunContext
+from ups.core import Config, RunContext, Strategy
 from ups.core.plugin import hookspecs
 from ups.core.plugin._manager import FAMILIES
 from ups.core.plugin._markers import NAME
 
 ANNOTATED = {
+    "Config": Config,
     "DistributedDataParallel": DistributedDataParallel,
     "RunContext": RunContext,
     "Sampler": Sampler,
+    "Strategy": Strategy,
 }
 """Names ``ups.core.plugin._records`` imports for its annotations only (under ``TYPE_CHECKING``, so
 that listing the plugins imports no torch)."""

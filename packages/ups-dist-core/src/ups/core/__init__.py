@@ -72,7 +72,7 @@ if TYPE_CHECKING:
         distributed_session,
         gather_failures,
     )
-    from .engine import EMA, Step, StepError
+    from .engine import EMA, Step, StepError, Strategy
     from .engine._model import load_model
     from .launch import (
         AGENT_ENV,
@@ -102,6 +102,7 @@ if TYPE_CHECKING:
         Registry,
         SamplerPlugin,
         SectionPlugin,
+        StrategyPlugin,
         TrainResult,
         hookimpl,
         load_plugins,
@@ -179,6 +180,7 @@ _EXPORTS = {
     "NoOptions": ".plugin",
     "SamplerPlugin": ".plugin",
     "SectionPlugin": ".plugin",
+    "StrategyPlugin": ".plugin",
     "TERMINAL": ".plugin",
     "TrainResult": ".plugin",
     "LossWindow": ".observe",
@@ -189,6 +191,7 @@ _EXPORTS = {
     "load_model": ".engine",
     "Step": ".engine",
     "StepError": ".engine",
+    "Strategy": ".engine",
     "imported": "._lazy",
     "lazy_exports": "._lazy",
 }
@@ -226,6 +229,8 @@ __all__ = [
     "SectionPlugin",
     "Step",
     "StepError",
+    "Strategy",
+    "StrategyPlugin",
     "TrainResult",
     "UsageError",
     "Watchdog",

@@ -4,8 +4,8 @@ one line per parameter (resume, and a warm start: ``model.init_from``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -24,18 +24,26 @@ def load_model_state(
     source: str,
     advice: str,
     strict: bool = True,
+    place: Place | None = None,
 ) -> Missing:
     """Load ``state`` into ``model``, or raise one :class:`ConfigError` at ``key`` naming the
     first differences (a parameter or buffer missing, unexpected, or of another shape),
     ``source`` (where the state came from) and ``advice`` (what to do). Not ``strict``: only
-    shapes that differ are refused, what fits is loaded; return the names left out."""
-    problems = differences(model.state_dict(), state, names=strict)
+    shapes that differ are refused, what fits is loaded; return the names left out.
+    ``place``: what puts the (full) saved tensors where the model's are, given the model's
+    state (:meth:`ups.core.Strategy.scattered`: a sharded model's shards)."""
+    here = model.state_dict()
+    problems = differences(here, state, names=strict)
     if problems:
         shown = "; ".join(problems[:SHOWN])
         more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
         raise ConfigError(key, f"the model does not match {source}: {shown}{more}; {advice}")
-    left_out = model.load_state_dict(state, strict=strict)
+    left_out = model.load_state_dict(place(state, here) if place else state, strict=strict)
     return Missing(tuple(left_out.missing_keys), tuple(left_out.unexpected_keys))
+
+
+Place = Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, Any]]
+"""Places saved tensors like the model's own: ``place(saved, model_state)``."""
 
 
 class Missing(NamedTuple):

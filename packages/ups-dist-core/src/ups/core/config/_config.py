@@ -320,6 +320,13 @@ class CommHookChoice(PluginChoice):
 
 
 @attrs.frozen(kw_only=True)
+class StrategyChoice(PluginChoice):
+    name: str = "ddp"
+    """How the model is spread over the ranks: ``ddp`` holds it whole on every rank;
+    ups-fsdp's ``zero`` shards the optimizer's state, ``fsdp`` the parameters too."""
+
+
+@attrs.frozen(kw_only=True)
 class CheckpointChoice(PluginChoice):
     name: str = "simple"
     every_steps: int | None = attrs.field(default=None, validator=at_least(1))
@@ -389,6 +396,7 @@ class Config:
     distributed: DistributedConfig = attrs.field(factory=DistributedConfig)
     sampler: SamplerChoice = attrs.field(factory=SamplerChoice)
     comm_hook: CommHookChoice = attrs.field(factory=CommHookChoice)
+    strategy: StrategyChoice = attrs.field(factory=StrategyChoice)
     checkpoint: CheckpointChoice = attrs.field(factory=CheckpointChoice)
     launch: LaunchChoice = attrs.field(factory=LaunchChoice)
     schedule: tuple[Rule, ...] = ()

@@ -20,7 +20,7 @@ from ..checkpoint._weights import source_problem
 from ..engine._schedule import schedule_warnings
 from ..engine._step import build_step, has_metrics
 from ..plugin._manager import Registry
-from ..plugin._records import SamplerPlugin
+from ..plugin._records import SamplerPlugin, StrategyPlugin
 from ._config import Config, LoaderConfig, PluginChoice, stage_config, stage_refs
 from ._errors import ConfigError, did_you_mean
 from ._user_code import load_object
@@ -107,6 +107,10 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
         select_sampler(registry, config.eval.sampler, "eval.sampler", exact=True, factory=False)
     comm, ckpt, launch = config.comm_hook, config.checkpoint, config.launch
     registry.select("comm_hook", comm.name, comm.options, "comm_hook", factory=False)
+    strategy, _ = registry.select(
+        "strategy", config.strategy.name, config.strategy.options, "strategy", factory=False
+    )
+    check_strategy(config, strategy)
     backend, ckpt_options = registry.select(
         "checkpoint", ckpt.name, ckpt.options, "checkpoint", factory=False
     )
@@ -182,6 +186,28 @@ def validate(config: Config, registry: Registry, nproc: int | None = None) -> li
     if nproc == 1 and config.comm_hook.name != "none":
         warnings.append(f"comm_hook.name: {config.comm_hook.name!r} has no effect on one process")
     return warnings
+
+
+def check_strategy(config: Config, strategy: StrategyPlugin) -> None:
+    """Refuse what the chosen strategy cannot do: a DDP comm hook where it has no DDP reducer,
+    agreeing on out-of-memory where a rank cannot skip a pass the others gather for.
+
+    :raises ConfigError: naming ``comm_hook.name`` or ``training.skip_oom``.
+    """
+    name = config.strategy.name
+    if config.comm_hook.name != "none" and not strategy.comm_hooks:
+        instead = f"; instead: {strategy.instead}" if strategy.instead else ""
+        raise ConfigError(
+            "comm_hook.name",
+            f"{config.comm_hook.name!r} hooks DDP's gradient all-reduce, which strategy "
+            f"{name!r} does not run; allowed: 'none'{instead}",
+        )
+    if config.training.skip_oom is True and not strategy.local_passes:
+        raise ConfigError(
+            "training.skip_oom",
+            f"cannot hold under strategy {name!r}: a rank out of memory cannot skip a forward "
+            "the other ranks gather parameters for; allowed: false, auto (off under it)",
+        )
 
 
 def _validate_stages(config: Config, registry: Registry, nproc: int | None) -> list[str]:

@@ -39,14 +39,16 @@ def parameter_checksum(model: nn.Module) -> int:
     return total
 
 
-def check_in_sync(ctx: RunContext, config_digest: str, step: int, model: nn.Module) -> None:
+def check_in_sync(
+    ctx: RunContext, config_digest: str, step: int, model: nn.Module | None
+) -> None:
     """Raise :class:`DesyncError` on every rank if any rank's config digest, step or parameter
-    checksum differs from rank 0's, naming those ranks and what differs. A collective."""
+    checksum differs from rank 0's, naming those ranks and what differs. A collective.
+    ``model``: ``None`` where the ranks hold different shards of it (nothing to compare)."""
     if not ctx.distributed:
         return
-    mine = torch.tensor(
-        [int(config_digest[:15], 16), step, parameter_checksum(model)], dtype=torch.int64
-    )
+    checksum = parameter_checksum(model) if model is not None else 0
+    mine = torch.tensor([int(config_digest[:15], 16), step, checksum], dtype=torch.int64)
     device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
     gathered = [torch.empty_like(mine, device=device) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, mine.to(device))

@@ -2,7 +2,7 @@
 config's training on this rank (the ranks' side of ``ups.core.train``), over the parts the
 config builds; ``load_model`` builds a run's model with its trained weights, from its folder;
 ``Step`` is the contract a model's step follows; batches of any structure move with
-``to_device``; an ``EMA`` of the weights is kept in a run or a loop of one's own; a
+``to_device``; a ``Strategy`` spreads the model over the ranks; an ``EMA`` of the weights is kept in a run or a loop of one's own; a
 ``Schedule`` of rules (``Rule``) changes training at a step every rank agrees on.
 """
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ._run import train, train_rank
     from ._schedule import Action, Plateau, Rule, Schedule, Trigger
     from ._step import Step, StepError
+    from ._strategy import Strategy
 
 _EXPORTS = {
     "EMA": "._ema",
@@ -28,6 +29,7 @@ _EXPORTS = {
     "train_rank": "._run",
     "Step": "._step",
     "StepError": "._step",
+    "Strategy": "._strategy",
     "BatchError": "._batches",
     "batch_size": "._batches",
     "tensors": "._batches",
@@ -53,6 +55,7 @@ __all__ = [
     "Step",
     "StepError",
     "step_on_plateau",
+    "Strategy",
     "tensors",
     "to_device",
     "train",

@@ -14,7 +14,7 @@ import structlog
 import torch
 from torch import nn
 
-from ..checkpoint._model_state import load_model_state
+from ..checkpoint._model_state import Place, load_model_state
 from ..checkpoint._weights import (
     RUN_CONFIG,
     Weights,
@@ -72,10 +72,14 @@ def load_model(
     return model.to(device)
 
 
-def warm_start(model: nn.Module, init_from: InitFrom, ctx: RunContext) -> Weights:
+def warm_start(
+    model: nn.Module, init_from: InitFrom, ctx: RunContext, place: Place | None = None
+) -> Weights:
     """Load ``model.init_from``'s weights into ``model`` (on this rank: every rank reads them
     itself, as a resume does); not ``strict``, rank 0 logs the names left out, one line for
     the model's missing ones and one for the file's unexpected ones.
+
+    ``place``: puts the saved tensors where the model's are (a sharded model's shards).
 
     :raises ConfigError: at ``model.init_from``, for weights that do not fit (one line).
     """
@@ -94,6 +98,7 @@ def warm_start(model: nn.Module, init_from: InitFrom, ctx: RunContext) -> Weight
         advice="start from weights of this model, or set model.init_from.strict: false to "
         "load the names both have (shapes must still agree)",
         strict=init_from.strict,
+        place=place,
     )
     if ctx.is_main:
         if left.missing:

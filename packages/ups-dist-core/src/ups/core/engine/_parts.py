@@ -1,15 +1,16 @@
 """What a run is built of: its config turned into the run's parts, once, before its loop.
 
 :func:`build_parts` builds them in the order they depend on one another (the step and the
-model; the data, its sampler and loaders, checked; DDP and the comm hook; the optimizer and
-scheduler; the checkpoint backend) and :class:`Parts` holds them, frozen: the loop
+model; the data, its sampler and loaders, checked; the strategy, which wraps the model (in
+DDP, or sharded); the optimizer and scheduler over its parameters; the comm hook; the
+checkpoint backend) and :class:`Parts` holds them, frozen: the loop
 (:mod:`~ups.core.engine._run`) uses them and replaces none. ``ups tune`` builds only what a trial
 step needs (``to_train=False``: no evaluation data, no checkpoint backend).
 """
 
 from __future__ import annotations
 
-import inspect
+import functools
 from typing import Any
 
 import attrs
@@ -20,7 +21,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from ..config._config import Config
-from ..config._validate import check_data, check_loader, select_sampler
+from ..config._validate import check_data, check_loader, check_strategy, select_sampler
 from ..dist._collectives import Agreement, first_failure
 from ..dist._context import RunContext
 from ..observe._profiling import CommCounter
@@ -29,6 +30,7 @@ from ..plugin._records import Checkpointer
 from ._loader import build_dataset, data_loader
 from ._optim import build_optimizer, build_scheduler
 from ._step import Step, build_model, build_step
+from ._strategy import Strategy
 
 
 @attrs.frozen(kw_only=True)
@@ -39,7 +41,12 @@ class Parts:
     model: nn.Module
     """The user's module on the rank's device (its batch norms synchronised if asked)."""
     ddp: nn.Module
-    """What steps run: the model (compiled if asked) in DDP, or the model itself alone."""
+    """What steps run: the model (compiled if asked) as the strategy wraps it (in DDP, or
+    sharded), or the model itself alone."""
+    strategy: Strategy
+    local_passes: bool
+    """Whether the strategy runs a micro-batch on one rank with no collective
+    (:attr:`~ups.core.plugin._records.StrategyPlugin.local_passes`)."""
     dataset: Any
     sampler: Any
     even: bool
@@ -62,8 +69,9 @@ def build_parts(
     """Build the run's parts from ``config`` on this rank (a collective: DDP's construction
     broadcasts rank 0's weights); ``batch_size``: the training loader's, as the run starts."""
     t = config.training
-    # What each rank builds alone, agreed before DDP's first collective: bad input fails every
-    # rank alike, and every rank then names the lowest rank's error (no rank left waiting).
+    # What each rank builds alone, agreed before the strategy's first collective: bad input
+    # fails every rank alike, and every rank then names the lowest rank's error (no rank left
+    # waiting).
     with Agreement(ctx, first_failure(ctx.rank)):
         check_loader(config.data.loader)
         step = build_step(config)
@@ -74,27 +82,38 @@ def build_parts(
         loader = run_loader(config, ctx, dataset, sampler, batch_size)
         eval_loader = _eval_loader(config, ctx, registry) if to_train else None
         check_data(config, loader, eval_loader, ctx.world_size)
-        optimizer = build_optimizer(  # the model's parameters are DDP's, in the same order
-            t.optimizer,
-            model.parameters(),
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            options=t.optimizer_options,
-            device=ctx.device,
+        chosen, options = registry.select(
+            "strategy", config.strategy.name, config.strategy.options, "strategy"
+        )
+        check_strategy(config, chosen)
+        strategy = chosen.factory(ctx=ctx, config=config, options=options)
+    wrapped = strategy.wrap(model)  # a collective: DDP broadcasts rank 0's weights
+    with Agreement(ctx, first_failure(ctx.rank)):  # over the wrapped (maybe sharded) parameters
+        optimizer = strategy.optimizer(
+            functools.partial(
+                build_optimizer,
+                t.optimizer,
+                lr=t.lr,
+                weight_decay=t.weight_decay,
+                options=t.optimizer_options,
+                device=ctx.device,
+            ),
+            model,
         )
         scheduler = build_scheduler(t.scheduler, optimizer, t.scheduler_options)
-    ddp = wrap(torch.compile(model) if t.compile else model, ctx, config)  # type: ignore[arg-type]
-    comm, comm_state = _comm_hook(config, ctx, registry, ddp)
+    comm, comm_state = _comm_hook(config, ctx, registry, wrapped)
     checkpointer = None
     if to_train:
-        plugin, options = registry.select(
+        plugin, ckpt_options = registry.select(
             "checkpoint", config.checkpoint.name, config.checkpoint.options, "checkpoint"
         )
-        checkpointer = plugin.factory(ctx=ctx, directory=config.run_dir, options=options)
+        checkpointer = plugin.factory(ctx=ctx, directory=config.run_dir, options=ckpt_options)
     return Parts(
         step=step,
         model=model,
-        ddp=ddp,
+        ddp=wrapped,
+        strategy=strategy,
+        local_passes=chosen.local_passes,
         dataset=dataset,
         sampler=sampler,
         even=even,
@@ -105,27 +124,6 @@ def build_parts(
         optimizer=optimizer,
         scheduler=scheduler,
         checkpointer=checkpointer,
-    )
-
-
-def wrap(model: nn.Module, ctx: RunContext, config: Config) -> nn.Module:
-    """Wrap ``model`` in DDP with the config's options (``model`` itself on one process)."""
-    if not ctx.distributed:
-        return model
-    d = config.distributed
-    buffers: dict[str, Any] = {}
-    if not d.broadcast_buffers:
-        # torch >= 2.12 renamed it; the new name still syncs buffers once, at construction.
-        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        buffers = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
-    return DistributedDataParallel(
-        model,
-        device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-        bucket_cap_mb=d.bucket_cap_mb,
-        static_graph=d.static_graph,
-        gradient_as_bucket_view=d.gradient_as_bucket_view,
-        find_unused_parameters=d.find_unused_parameters,
-        **buffers,
     )
 
 

@@ -30,6 +30,7 @@ from ._ema import EMA
 from ._faults import FaultInjector
 from ._rundir import keep_until
 from ._schedule import Schedule
+from ._strategy import Strategy
 
 log = structlog.get_logger()
 
@@ -181,6 +182,8 @@ class TrainingState:
     dataset: Any
     checkpointer: Checkpointer
     comm_state: object | None
+    strategy: Strategy
+    """What gathers the full model and optimizer state to save, and places it back."""
     faults: FaultInjector
     ema: EMA | None = None
     stage: int = 0
@@ -198,8 +201,8 @@ class TrainingState:
             comm_hook_name=self.config.comm_hook.name if state_dict is not None else None,
         )
         saved = Saved(
-            model=self.model.state_dict(),
-            optimizer=self.optimizer.state_dict(),
+            model=self.strategy.gathered(self.model.state_dict()),
+            optimizer=self.strategy.optimizer_state(self.optimizer),
             scheduler=self.scheduler.state_dict() if self.scheduler is not None else {},
             scaler=self.scaler.state_dict(),
             schedule=self.schedule.state_dict(),
@@ -215,7 +218,9 @@ class TrainingState:
             plugins=own.plugins,
             config_digest=self.config.digest(),
             versions=dict(_versions()),
-            ema=self.ema.state_dict() if self.ema is not None else {},
+            ema={"model": self.strategy.gathered(self.ema.averaged())}
+            if self.ema is not None
+            else {},
             stage=self.stage,
         )
         # metrics only when given: a backend written before keep_best takes no such argument
@@ -258,8 +263,9 @@ class TrainingState:
             key="checkpoint.resume",
             source=f"the checkpoint {loaded.location}",
             advice="start afresh (checkpoint.resume: none) or in another run folder (run.name)",
+            place=self.strategy.scattered,
         )
-        self.optimizer.load_state_dict(state.optimizer)
+        self.strategy.load_optimizer_state(self.optimizer, state.optimizer)
         self.best.clear()  # keep-best's, in place: the run holds it
         self.best.update(state.best)
         if self.scheduler is not None:
@@ -299,7 +305,9 @@ class TrainingState:
         if self.ema is None:
             return
         if saved:
-            self.ema.load_state_dict(saved)
+            self.ema.load_state_dict(
+                {**saved, "model": self.strategy.scattered(saved["model"], self.ema.averaged())}
+            )
             return
         if self.ctx.is_main:
             log.warning("the checkpoint has no EMA of the weights: it starts from the resumed ones")

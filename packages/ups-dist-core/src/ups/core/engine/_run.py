@@ -15,12 +15,14 @@ import functools
 import json
 import math
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import structlog
 from pluggy import HookRelay
+from torch import nn
+from torch.utils.data import DataLoader
 
 from ..checkpoint._best import KEY as KEEP_BEST
 from ..checkpoint._best import STAGE, admit, keep_best
@@ -48,7 +50,7 @@ from ._parts import Parts, build_parts, run_loader
 from ._resume import InStage, Position, Resumed, TrainingState
 from ._rundir import RunFiles, own_run_dir
 from ._schedule import Schedule, agreed_value, apply_lr_multiplier
-from ._stages import best_model, done_at, keep, runnable, together
+from ._stages import best_model, done_at, keep, kept_weights, runnable, together
 from ._step import has_metrics
 from ._update import Forward, Stepper
 
@@ -114,8 +116,8 @@ def train_stages(config: Config, ctx: RunContext, registry: Registry) -> TrainRe
         if result.preempted:
             break
         best = best_model(run.state.checkpointer, run.state.best) if run.keep_best else None
-        model, ema = run.parts.model, run.ema
-        decide(ctx, functools.partial(keep, run.config, model, ema, here, result.steps, best))
+        weights = kept_weights(run.parts.strategy, run.parts.model, run.ema, best)
+        decide(ctx, functools.partial(keep, run.config, weights, here, result.steps))
         start = result.steps
     return together(results, start)
 
@@ -162,6 +164,8 @@ def stepping(config: Config, ctx: RunContext, parts: Parts, watchdog: Watchdog) 
         scheduler=parts.scheduler,
         watchdog=watchdog,
         even=parts.even,
+        strategy=parts.strategy,
+        local_passes=parts.local_passes,
     )
     return Stepping(forward, stepper, window, metrics)
 
@@ -252,10 +256,16 @@ class Run:
             dataset=parts.dataset,
             checkpointer=parts.checkpointer,
             comm_state=parts.comm_state,
+            strategy=parts.strategy,
             faults=faults,
             ema=self.ema,
             stage=self.stage.index if self.stage is not None else 0,
         )
+
+    @property
+    def _compared(self) -> nn.Module | None:
+        """The model whose parameters the ranks compare, where each holds all of them."""
+        return self.parts.model if self.parts.strategy.replicated else None
 
     @property
     def step(self) -> int:
@@ -277,10 +287,15 @@ class Run:
         if self.config.checkpoint.resume == "latest" or self.restarted:
             self._resume()
         if self._resumed is None and self.config.model.init_from is not None:
-            warm_start(self.parts.model, self.config.model.init_from, self.ctx)  # not on resume
+            warm_start(  # not on resume
+                self.parts.model,
+                self.config.model.init_from,
+                self.ctx,
+                place=self.parts.strategy.scattered,
+            )
             if self.ema is not None:
                 self.ema.reset()  # the average starts from the warm weights
-        check_in_sync(self.ctx, self.config.digest(), self.step, self.parts.model)
+        check_in_sync(self.ctx, self.config.digest(), self.step, self._compared)
         if self._resumed is not None and not self._steps_left():
             return self._complete()
         self.parts.ddp.train()
@@ -474,7 +489,7 @@ class Run:
             self._checkpoint(best)
         check = self.config.distributed.desync_check_every
         if check and own % check == 0:
-            check_in_sync(ctx, self.config.digest(), self.step, self.parts.model)
+            check_in_sync(ctx, self.config.digest(), self.step, self._compared)
         if self.preemption.agreed():
             log.warning("preempted: saving and stopping", step=self.step)
             return True
@@ -541,11 +556,19 @@ class Run:
         metrics = evaluate_beside(
             self.ema,
             which.evaluate if which is not None else "live",
-            lambda: evaluate(self.parts.model, loader, self.forward, tasks, reduce),
+            lambda: self._evaluate_model(loader, tasks, reduce),
         )
         self.evaluated_at = self.step
         self.reporter.evaluated(self.step, metrics)
         return metrics
+
+    def _evaluate_model(
+        self, loader: DataLoader[Any], tasks: Sequence[str], reduce: Mapping[str, str]
+    ) -> dict[str, float]:
+        """Evaluate the model as it stands on ``loader``, under the strategy's evaluation."""
+        model = self.parts.model
+        with self.parts.strategy.evaluating(model):
+            return evaluate(model, loader, self.forward, tasks, reduce)
 
     def _more_steps(self) -> bool:
         max_steps = self.config.training.max_steps

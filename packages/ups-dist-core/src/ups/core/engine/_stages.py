@@ -40,6 +40,7 @@ from ..plugin._records import Checkpointer, Loaded, TrainResult
 from ._ema import EMA
 from ._resume import InStage, Saved
 from ._step import build_model
+from ._strategy import Strategy
 
 log = structlog.get_logger()
 
@@ -148,24 +149,24 @@ def best_model(checkpointer: Checkpointer, best: Mapping[int, float]) -> dict[st
     return model
 
 
-def keep(
-    config: Config,
-    model: nn.Module,
-    ema: EMA | None,
-    stage: InStage,
-    end: int,
-    best: Mapping[str, Any] | None = None,
-) -> None:
-    """Keep the finished ``stage``'s weights (``model``'s, ``ema``'s, and its ``best``
-    checkpoint's, :func:`best_model`) in ``stages/NAME/``, then mark it done at step ``end``
-    (on rank 0)."""
-    folder = config.run_dir / KEPT / stage.name
-    folder.mkdir(parents=True, exist_ok=True)
-    states: dict[str, Mapping[str, Any]] = {"latest": model.state_dict()}
+def kept_weights(
+    strategy: Strategy, model: nn.Module, ema: EMA | None, best: Mapping[str, Any] | None
+) -> dict[str, Mapping[str, Any]]:
+    """A finished stage's weights to keep, full (a collective under a sharded strategy): the
+    model's (``latest``), ``ema``'s, and its ``best`` checkpoint's (:func:`best_model`)."""
+    states: dict[str, Mapping[str, Any]] = {"latest": strategy.gathered(model.state_dict())}
     if ema is not None:
-        states["ema"] = ema.state_dict()["model"]
+        states["ema"] = strategy.gathered(ema.averaged())
     if best is not None:
         states["best"] = best
+    return states
+
+
+def keep(config: Config, states: Mapping[str, Mapping[str, Any]], stage: InStage, end: int) -> None:
+    """Keep the finished ``stage``'s weights (:func:`kept_weights`) in ``stages/NAME/``, then
+    mark it done at step ``end`` (on rank 0)."""
+    folder = config.run_dir / KEPT / stage.name
+    folder.mkdir(parents=True, exist_ok=True)
     for weights, state in states.items():
         data = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in state.items()}, data)

@@ -2,8 +2,8 @@
 backward, then one update.
 
 Each optimizer step takes ``training.accumulation_steps`` micro-batches; gradients are
-synchronised across ranks on the last one only (the others accumulate on each rank, through the
-bare module), unscaled once (fp16), clipped once to a global norm that is the same number on
+synchronised across ranks on the last one only (the others accumulate on each rank, as the
+:class:`~ups.core.Strategy` runs them: DDP's bare module), unscaled once (fp16), clipped once to a global norm that is the same number on
 every rank, then applied. Every sample of a step weighs the same, whichever micro-batch and
 rank it is on (:class:`Weights`). What fails before the synchronising backward is agreed on by
 every rank (``training.skip_oom``): out of memory skips the step everywhere, anything else stops
@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import typing
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
@@ -23,7 +22,6 @@ import attrs
 import structlog
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
 from ..config._config import TrainingConfig
@@ -36,6 +34,7 @@ from ..observe._step_metrics import UserMetrics
 from ._batches import to_device
 from ._optim import is_plateau
 from ._step import Step, StepError, _raw, batch_mean
+from ._strategy import Strategy
 
 log = structlog.get_logger()
 
@@ -228,13 +227,29 @@ class Weights:
     count is known (after the first forward for per-sample losses, every micro-batch drawn up
     front; after the last forward for ``(mean, count)``) and waited for in :meth:`last`.
     Every rank's step must return the same kind of loss.
+
+    A strategy whose unsynchronised gradients are not the parameters' ``.grad`` before the
+    synchronising backward (FSDP keeps them unsharded, apart) does not ``reweigh``: where
+    ``N`` is not known, every micro-batch differentiates its total over ``nominal`` (the same
+    number on every rank), and :meth:`after` weighs the reduced gradients by
+    ``nominal * W / N``.
     """
 
     def __init__(
-        self, ctx: RunContext, group: int, name: str, *, even: bool, carried: bool
+        self,
+        ctx: RunContext,
+        group: int,
+        name: str,
+        *,
+        even: bool,
+        carried: bool,
+        reweighs: bool = True,
+        nominal: float = 1.0,
     ) -> None:
         self.ctx, self.group, self.name = ctx, group, name
         self.even, self.carried = even, carried
+        self.reweighs, self.nominal = reweighs, nominal
+        self._after: float | None = None
         self.samples = 0
         """This rank's samples in the step, counted before the first backward."""
         self.count = 0
@@ -260,6 +275,8 @@ class Weights:
         if self.kind is None:
             self.kind = loss.kind
             self.reference = self.samples if loss.kind == "samples" else loss.count * self.group
+            if not self.reweighs and not self.known:  # the same on every rank: rescaled after
+                self.reference = self.nominal
         elif loss.kind != self.kind:
             raise StepError(
                 f"step.factory: {self.name}.loss returned {KIND_NAMES[loss.kind]} for a "
@@ -293,13 +310,28 @@ class Weights:
             assert self._total is not None
             summed = self._total() / self.ctx.world_size
             per_rank, exact = summed.to(self.ctx.device, torch.float32).reshape(()), False
+        if not self.reweighs and not exact:
+            self._after = float(self.reference / per_rank)  # a host sync, once a step
+            return loss.total / self.reference
         if self.group > 1 and not exact:
-            grads = [p.grad for p in parameters if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, self.reference / per_rank)
+            _scale([p.grad for p in parameters if p.grad is not None], self.reference / per_rank)
         elif self.group == 1 and exact:  # N / W is this micro-batch's count: its mean
             return loss.mean
         return loss.total / per_rank
+
+    def after(self, parameters: Iterable[nn.Parameter]) -> None:
+        """Once the synchronising backward is done, weigh the reduced gradients of
+        ``parameters`` by ``reference * W / N``, where :meth:`last` could not weigh the
+        accumulated ones before it (a strategy that does not ``reweigh``: every micro-batch
+        then differentiates its total over a ``reference`` the same on every rank)."""
+        if self._after is not None:
+            _scale([p.grad for p in parameters if p.grad is not None], self._after)
+
+
+def _scale(grads: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply ``grads`` in place by ``factor``."""
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 @attrs.define
@@ -332,8 +364,11 @@ class Stepper:
         scheduler: LRScheduler | None,
         watchdog: Watchdog,
         even: bool,
+        strategy: Strategy,
+        local_passes: bool = True,
     ) -> None:
         self.ctx, self.training, self.model, self.ddp = ctx, training, model, ddp
+        self.strategy = strategy
         self.forward, self.optimizer, self.scheduler = forward, optimizer, scheduler
         self.watchdog = watchdog
         self.even = even
@@ -345,17 +380,13 @@ class Stepper:
         """Steps begun (taken or skipped): what the watchdog and fault injection count."""
         self.oom_skipped = self.oom_in_a_row = 0
         agree = training.skip_oom
-        self.agree = (
-            (ctx.device.type == "cuda" or not ctx.distributed) if agree == "auto" else agree
-        )
+        if agree == "auto":
+            agree = (ctx.device.type == "cuda" or not ctx.distributed) and local_passes
+        self.agree = agree
         self._carried = self.agree and ctx.distributed
         """Whether a step's last agreement sums the ranks' counts (:class:`Weights`)."""
-        self._local = isinstance(ddp, DistributedDataParallel)
-
-    @property
-    def bare(self) -> nn.Module:
-        """The module without DDP's wrapper: its passes run no collective."""
-        return typing.cast(nn.Module, self.ddp.module) if self._local else self.ddp
+        self.bare = strategy.unsynced(ddp)
+        """What micro-batches before a step's last run through: no gradient synchronisation."""
 
     def step(
         self, number: int, batches: Iterator[Any], group: int
@@ -377,7 +408,15 @@ class Stepper:
         self._number = number
         self.attempts += 1
         self.watchdog.mark(self.attempts, STARTED)
-        weights = Weights(self.ctx, group, self.forward.name, even=self.even, carried=self._carried)
+        weights = Weights(
+            self.ctx,
+            group,
+            self.forward.name,
+            even=self.even,
+            carried=self._carried,
+            reweighs=self.strategy.reweighs,
+            nominal=float(group * t.batch_size),
+        )
         micro = MicroBatches(itertools.islice(batches, group), weights)
         try:
             if (group > 1 and not self._agreed(self._local_micro_batches, micro)) or (
@@ -394,11 +433,11 @@ class Stepper:
         assert micro.last is not None
         last = weights.last(micro.last, self.model.parameters())
         self.scaler.scale(last).backward()  # type: ignore[no-untyped-call]
+        weights.after(self.model.parameters())
         grad_norm = float("nan")
         if t.grad_clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
-            # Gradients are already averaged over ranks: the norm is the same on every rank.
-            grad_norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip_norm))
+            grad_norm = self.strategy.clip_grad_norm(self.model.parameters(), t.grad_clip_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -411,10 +450,10 @@ class Stepper:
         """Forward and backward one batch, through DDP with ``sync``, else on this rank alone
         (gradients kept in ``.grad``, no collective)."""
         loss, _ = self.forward(self.ddp if sync else self.bare, batch)
-        if self._local and not sync:
-            self._accumulate_locally(self.scaler.scale(loss.mean))
-        else:
+        if sync:
             self.scaler.scale(loss.mean).backward()  # type: ignore[no-untyped-call]
+        else:
+            self.strategy.backward_unsynced(self.scaler.scale(loss.mean), self.model)
 
     def trial(self, batch: Any) -> None:
         """One optimizer step on ``batch`` on this rank alone (``ups tune``: does it fit?)."""
@@ -446,10 +485,7 @@ class Stepper:
         micro.drawn.extend(micro.batches)
         for index in range(len(micro.drawn) - 1):
             loss = micro.weights.local(self._pass(self.bare, micro, index))
-            if self._local:
-                self._accumulate_locally(self.scaler.scale(loss))
-            else:
-                self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+            self.strategy.backward_unsynced(self.scaler.scale(loss), self.model)
 
     def _synced_forward(self, micro: MicroBatches) -> None:
         """Forward the step's last micro-batch through DDP (drawn here, inside the step's only
@@ -505,21 +541,3 @@ class Stepper:
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()
         return None
-
-    def _accumulate_locally(self, loss: torch.Tensor) -> None:
-        """Add ``loss``'s gradients to ``.grad`` without DDP's reducer seeing them; the last
-        micro-batch's backward then all-reduces the sum, as ``no_sync`` would.
-
-        Not ``ddp.no_sync()``: with ``static_graph=True`` it trips an internal assert in DDP's
-        reducer (pytorch/pytorch#143580, huggingface/accelerate#3679). ``autograd.grad`` never
-        runs the gradient accumulators, where the reducer's hooks sit.
-        """
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        for param, grad in zip(params, grads, strict=True):
-            if grad is None:
-                continue
-            if param.grad is None:
-                param.grad = grad.detach().clone()
-            else:
-                param.grad.add_(grad)

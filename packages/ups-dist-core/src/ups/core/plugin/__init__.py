@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         NoOptions,
         SamplerPlugin,
         SectionPlugin,
+        StrategyPlugin,
         TrainResult,
     )
 
@@ -52,6 +53,7 @@ _EXPORTS = {
     "NoOptions": "._records",
     "SamplerPlugin": "._records",
     "SectionPlugin": "._records",
+    "StrategyPlugin": "._records",
     "TERMINAL": "._records",
     "TrainResult": "._records",
     "TorchSamplerOptions": "._builtins",
@@ -81,6 +83,7 @@ __all__ = [
     "Registry",
     "SamplerPlugin",
     "SectionPlugin",
+    "StrategyPlugin",
     "TERMINAL",
     "torch_sampler",
     "TorchSamplerOptions",

@@ -18,7 +18,7 @@ from ..checkpoint._best import KeepBest
 from ..checkpoint._files import check_writable
 from ..config._structure import at_least
 from ._markers import hookimpl_default
-from ._records import CheckpointBackendPlugin, CommHookPlugin, SamplerPlugin
+from ._records import CheckpointBackendPlugin, CommHookPlugin, SamplerPlugin, StrategyPlugin
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -121,6 +121,17 @@ def ups_samplers() -> list[SamplerPlugin]:
 @hookimpl_default
 def ups_comm_hooks() -> list[CommHookPlugin]:
     return [CommHookPlugin(name="none", factory=no_comm_hook, description="DDP's own allreduce")]
+
+
+@hookimpl_default
+def ups_strategies() -> list[StrategyPlugin]:
+    return [
+        StrategyPlugin(
+            name="ddp",
+            factory=imported("ups.core.engine._strategy:ddp"),
+            description="every rank holds the whole model; DDP all-reduces the gradients",
+        )
+    ]
 
 
 @hookimpl_default

@@ -38,6 +38,7 @@ from ._records import (
     PluginRecord,
     SamplerPlugin,
     SectionPlugin,
+    StrategyPlugin,
 )
 
 if TYPE_CHECKING:
@@ -52,10 +53,11 @@ BUILTIN_NAME = "ups-dist-core"
 BUILTINS = "ups.core.plugin._builtins"
 """The module of the built-in plugin, registered under the name ``ups-dist-core``."""
 
-Family = Literal["sampler", "comm_hook", "checkpoint", "launcher", "command", "section"]
+Family = Literal["sampler", "comm_hook", "strategy", "checkpoint", "launcher", "command", "section"]
 FAMILIES: Mapping[Family, tuple[str, type[PluginRecord]]] = {
     "sampler": ("ups_samplers", SamplerPlugin),
     "comm_hook": ("ups_comm_hooks", CommHookPlugin),
+    "strategy": ("ups_strategies", StrategyPlugin),
     "checkpoint": ("ups_checkpoint_backends", CheckpointBackendPlugin),
     "launcher": ("ups_launchers", LauncherPlugin),
     "command": ("ups_commands", CommandPlugin),
@@ -163,6 +165,17 @@ class Registry:
         *,
         factory: bool = True,
     ) -> tuple[CommHookPlugin, Any]: ...
+
+    @overload
+    def select(
+        self,
+        family: Literal["strategy"],
+        name: str,
+        options: Mapping[str, Any],
+        key: str,
+        *,
+        factory: bool = True,
+    ) -> tuple[StrategyPlugin, Any]: ...
 
     @overload
     def select(

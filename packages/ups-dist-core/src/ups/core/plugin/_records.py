@@ -24,7 +24,9 @@ if TYPE_CHECKING:  # annotations only: describing a plugin imports no torch
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import Sampler
 
+    from ..config._config import Config
     from ..dist._context import RunContext
+    from ..engine._strategy import Strategy
 
 _NAME = re.compile(r"[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*")
 
@@ -123,6 +125,33 @@ class CommHookPlugin(PluginRecord):
     """A DDP communication hook (gradient compression, profiling, ...)."""
 
     factory: CommHookFactory
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies
+
+
+class StrategyFactory(Protocol):
+    """Builds this rank's :class:`~ups.core.Strategy`, before the model is wrapped."""
+
+    def __call__(self, *, ctx: RunContext, config: Config, options: Any) -> Strategy: ...
+
+
+@attrs.frozen(kw_only=True)
+class StrategyPlugin(PluginRecord):
+    """How a run spreads its model over the ranks (``strategy: {name: ...}``): ``ddp`` (built
+    in), ups-fsdp's ``zero`` and ``fsdp``."""
+
+    factory: StrategyFactory
+    comm_hooks: bool = True
+    """Whether DDP communication hooks apply: choosing one (``comm_hook``) under a strategy
+    that says not is a usage error, naming :attr:`instead`."""
+    instead: str = ""
+    """What to use instead of a comm hook, as that error says (an option of the strategy)."""
+    local_passes: bool = True
+    """Whether a micro-batch can go forward and backward on one rank with no collective: what
+    agreeing on out-of-memory (``training.skip_oom``) and ``ups tune``'s one-rank trials need.
+    Without, ``skip_oom: true`` is a usage error and ``auto`` is off."""
 
 
 # ---------------------------------------------------------------------------------------------

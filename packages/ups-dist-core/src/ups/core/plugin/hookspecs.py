@@ -4,7 +4,7 @@ A plugin is a module (or object) with functions named like these specs, marked w
 :data:`ups.core.hookimpl`, and listed under the ``ups`` entry-point group of its distribution.
 Hooks take keyword arguments only; an implementation may accept any subset of them.
 
-Registration (samplers, comm hooks, checkpoint backends, launchers, commands, config sections)
+Registration (samplers, comm hooks, strategies, checkpoint backends, launchers, commands, config sections)
     Each returns the records of what the plugin provides. The engine gathers them from all
     plugins; a name claimed by two plugins is an error naming both.
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         LauncherPlugin,
         SamplerPlugin,
         SectionPlugin,
+        StrategyPlugin,
         TrainResult,
     )
 
@@ -56,6 +57,15 @@ def ups_comm_hooks() -> Iterable[CommHookPlugin]:
     """Register DDP communication hooks, selected by ``comm_hook: {name: ...}``.
 
     :returns: the :class:`~ups.core.plugin._records.CommHookPlugin` records this plugin provides.
+    """
+
+
+@hookspec
+def ups_strategies() -> Iterable[StrategyPlugin]:
+    """Register strategies, how a run spreads its model over the ranks, selected by
+    ``strategy: {name: ...}`` (``ddp`` is built in; ups-fsdp adds ``zero`` and ``fsdp``).
+
+    :returns: the :class:`~ups.core.plugin._records.StrategyPlugin` records this plugin provides.
     """
 
 
