@@ -31,6 +31,7 @@ PACKAGES = {
     "ckpt": "ups-ckpt",
     "comm_hooks": "ups-comm-hooks",
     "cloud": "ups-cloud",
+    "fsdp": "ups-fsdp",
 }
 PLUGINS = ("ups-blocks", "ups-tensorboard", "ups-optuna", "ups-mlflow", "ups-wandb")
 """The plugins of plugins/, written as a third party would write them."""
