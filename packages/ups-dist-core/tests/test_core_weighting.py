@@ -19,7 +19,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Sampler
 
-from ups.core import Config, RunContext, SamplerPlugin, StepError, config_from_mapping, hookimpl
+from ups.core import (
+    Config,
+    RunContext,
+    SamplerPlugin,
+    StepError,
+    Strategy,
+    StrategyPlugin,
+    config_from_mapping,
+    hookimpl,
+)
 from ups.core.engine import train_rank
 from ups.core.engine._update import Stepper
 from ups.core.plugin._manager import AUTOLOAD_ENV, load_plugins
@@ -75,10 +84,26 @@ class Lopsided(Sampler[int]):
         yield from order[end + sum(self.last[: self.rank]) :][: self.last[self.rank]]
 
 
+class RescaledAfter(Strategy):
+    """DDP, weighing as a strategy that cannot reach the accumulated gradients before the
+    synchronising backward does (FSDP): every micro-batch alike, the reduced gradients
+    rescaled after it (:meth:`~ups.core.engine._update.Weights.after`)."""
+
+    reweighs = False
+
+
 LOPSIDED = types.SimpleNamespace(
     ups_samplers=hookimpl(
         lambda: [SamplerPlugin(name="lopsided", factory=Lopsided, options=LopsidedOptions)]
-    )
+    ),
+    ups_strategies=hookimpl(
+        lambda: [
+            StrategyPlugin(
+                name="after",
+                factory=lambda *, ctx, config, options: RescaledAfter(ctx, config),
+            )
+        ]
+    ),
 )
 
 
@@ -210,17 +235,20 @@ def test_ranks_of_unequal_counts_weigh_every_sample_once(
 ) -> None:
     """A sampler that gives the ranks unequal counts (not ``even``) ≡ one process over the
     same samples; the ranks' counts summed by an all-reduce of their own, or by the step's
-    agreement (``training.skip_oom``)."""
+    agreement (``training.skip_oom``); and under a strategy that rescales the reduced
+    gradients after the synchronising backward."""
     batch, accumulation, last, samples = shape
     folder = tmp_path_factory.mktemp("lopsided")
     options = {"block": batch * accumulation, "last": last}
     lopsided = {"sampler": {"name": "lopsided", "options": options}}
+    after = {"strategy": {"name": "after"}}
     ranks = on_ranks(
         [
             config(folder / "a", batch, accumulation, samples, **lopsided),
             config(
                 folder / "b", batch, accumulation, samples, **lopsided, training={"skip_oom": True}
             ),
+            config(folder / "e", batch, accumulation, samples, **lopsided, **after),
         ]
     )
     whole = {"block": WORLD * batch * accumulation, "last": [sum(last)]}
@@ -233,7 +261,7 @@ def test_ranks_of_unequal_counts_weigh_every_sample_once(
         sampler={"name": "lopsided", "options": whole},
         training=big,
     )
-    assert_close(ranks, alone([one]) * 2)
+    assert_close(ranks, alone([one]) * 3)
 
 
 @st.composite
@@ -266,11 +294,14 @@ def test_a_mean_over_counted_items_weighs_every_item_once(
             config(
                 folder / "b", batch, accumulation, samples, **tokens, training={"skip_oom": True}
             ),
+            config(
+                folder / "e", batch, accumulation, samples, **tokens, strategy={"name": "after"}
+            ),
         ]
     )
     big = {"batch_size": WORLD * batch * accumulation, "accumulation_steps": 1}
     one = config(folder / "c", batch, accumulation, samples, **tokens, training=big)
-    assert_close(ranks, alone([one]) * 2)
+    assert_close(ranks, alone([one]) * 3)
 
 
 # ---------------------------------------------------------------------------------------------
