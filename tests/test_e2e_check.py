@@ -66,8 +66,8 @@ def test_a_lossy_comm_hook_is_reported_and_not_failed_on(
     config = tiny_project(tmp_path, comm_hook={"name": "bf16"})
     status, lines = check(capsys, str(config), "--nproc", "2", "--steps", "3")
     assert status == 0, lines
-    assert cells(lines, "A") == ["2", "8", "1", "none", cells(lines, "B")[-1]]
-    assert cells(lines, "A+hook")[3] == "bf16"
+    assert cells(lines, "A") == ["2", "8", "1", "ddp", "none", cells(lines, "B")[-1]]
+    assert cells(lines, "A+hook")[4] == "bf16"
     difference, verdict = cells(lines, "A+hook vs A")
     assert verdict == "reported only" and float(difference) > 1e-6  # bf16 rounds the gradients
     assert cells(lines, "A vs B")[1] == "yes"
@@ -75,6 +75,23 @@ def test_a_lossy_comm_hook_is_reported_and_not_failed_on(
         "note: comm_hook 'bf16' is lossy: A ran with 'none', A+hook with 'bf16' (its "
         "difference is reported, not failed on)"
     ) in lines
+
+
+@pytest.mark.parametrize("strategy", ["zero", "fsdp"])
+def test_a_sharded_strategy_is_compared_with_ddp_on_the_same_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], strategy: str
+) -> None:
+    config = tiny_project(
+        tmp_path,
+        strategy={"name": strategy},
+        training={"optimizer": "adamw", "accumulation_steps": 2, "grad_clip_norm": 0.5},
+    )
+    status, lines = check(capsys, str(config), "--nproc", "2", "--steps", "3")
+    assert status == 0, lines
+    assert cells(lines, "A")[:5] == ["2", "8", "2", strategy, "none"]
+    assert cells(lines, "A-ddp")[:5] == ["2", "8", "2", "ddp", "none"]
+    for pair in ("A vs A-ddp", "A vs B", "A vs C"):
+        assert cells(lines, pair)[1] == "yes", lines
 
 
 def test_a_mean_loss_and_batchnorm_are_both_named(

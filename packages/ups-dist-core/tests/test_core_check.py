@@ -133,8 +133,15 @@ def test_the_tiny_project_is_exact_on_two_ranks_in_fp32(
     result = ups("check", str(config), "--nproc", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     table = rows(result.stdout)
-    assert table["A"] == ["2", "8", "1", "none", table["B"][-1]]
-    assert table["B"][:4] == ["1", "16", "1", "-"] and table["C"][:4] == ["1", "8", "2", "-"]
+    assert table["A"] == ["2", "8", "1", "ddp", "none", table["B"][-1]]
+    assert table["B"][:5] == ["1", "16", "1", "-", "-"] and table["C"][:5] == [
+        "1",
+        "8",
+        "2",
+        "-",
+        "-",
+    ]
+    assert "A-ddp" not in table  # under ddp, A is the DDP run
     for pair in ("A vs B", "A vs C", "B vs C"):
         assert float(table[pair][0]) < 1e-6 and table[pair][1] == "yes"
     lines = result.stdout.splitlines()

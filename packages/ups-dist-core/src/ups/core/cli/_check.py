@@ -9,7 +9,9 @@ out; one checkpoint, the last, is kept until its parameters are read):
 - **A**: ``W`` ranks, each of ``b`` samples a micro-batch and ``k`` micro-batches a step (the
   config's ``training.batch_size`` and ``training.accumulation_steps``);
 - **B**: one process of ``W·b`` samples, ``k`` micro-batches;
-- **C**: one process of ``b`` samples, ``W·k`` micro-batches.
+- **C**: one process of ``b`` samples, ``W·k`` micro-batches;
+- **A-ddp**, under a strategy other than ``ddp`` (``zero``, ``fsdp``): A's ranks holding the
+  whole model in DDP, so that sharding is shown to change nothing.
 
 Their final parameters are compared, pairwise, against a tolerance. Before training,
 :func:`examine` names what is known to break the equivalence, with its fix: BatchNorm,
@@ -36,7 +38,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from ..checkpoint._commit import STATE_FILE
-from ..config._config import CheckpointChoice, CommHookChoice, Config
+from ..config._config import CheckpointChoice, CommHookChoice, Config, StrategyChoice
 from ..config._errors import UsageError
 from ..config._user_code import load_object
 from ..config._validate import select_sampler
@@ -105,6 +107,8 @@ class Way:
     accumulation_steps: int
     comm_hook: str
     """The comm hook the ranks use; ``-`` for one process (no DDP)."""
+    strategy: str = "-"
+    """The strategy the ranks use; ``-`` for one process (nothing to spread)."""
 
 
 @attrs.frozen
@@ -162,7 +166,7 @@ class Report:
             "",
         ]
         last = f"LOSS AT STEP {self.steps}"
-        runs = [("RUN", "PROCESSES", "BATCH", "MICRO-BATCHES", "COMM HOOK", last)]
+        runs = [("RUN", "PROCESSES", "BATCH", "MICRO-BATCHES", "STRATEGY", "COMM HOOK", last)]
         for o in self.outcomes:
             w = o.way
             loss = "-" if o.loss is None else f"{o.loss:.6g}"
@@ -172,6 +176,7 @@ class Report:
                     str(w.processes),
                     str(w.batch_size),
                     str(w.accumulation_steps),
+                    w.strategy,
                     w.comm_hook,
                     loss,
                 )
@@ -296,11 +301,13 @@ def check(
     findings = examine(config, registry, keep_precision=keep_precision)
     t = config.training
     b, k = t.batch_size, t.accumulation_steps
-    hook = config.comm_hook.name
+    hook, strategy = config.comm_hook.name, config.strategy.name
     lossy = hook in LOSSY_HOOKS
-    ways = [Way("A", nproc, b, k, "none" if lossy else hook)]
+    ways = [Way("A", nproc, b, k, "none" if lossy else hook, strategy)]
     if lossy:
-        ways.append(Way("A+hook", nproc, b, k, hook))
+        ways.append(Way("A+hook", nproc, b, k, hook, strategy))
+    if strategy != "ddp":  # the same ranks, as DDP holds the model: sharding changes nothing
+        ways.append(Way("A-ddp", nproc, b, k, "none", "ddp"))
     ways += [Way("B", 1, nproc * b, k, "-"), Way("C", 1, b, nproc * k, "-")]
     precision: Precision = t.precision if keep_precision else "fp32"
     notes = list(findings.notes)
@@ -324,7 +331,7 @@ def check(
                 f"B (1 process x {way.batch_size}) ran out of memory: left out; C, "
                 "accumulation on one process, is the reference"
             )
-    pairs = [("A", "B"), ("A", "C"), ("B", "C"), ("A+hook", "A")]
+    pairs = [("A", "B"), ("A", "C"), ("B", "C"), ("A", "A-ddp"), ("A+hook", "A")]
     comparisons = tuple(
         Comparison(x, y, _difference(outcomes[x].model, outcomes[y].model), counted=x != "A+hook")
         for x, y in pairs
@@ -536,6 +543,7 @@ def _scratch(
         comm_hook=CommHookChoice(name=way.comm_hook, options=config.comm_hook.options)
         if way.comm_hook == config.comm_hook.name
         else CommHookChoice(),
+        strategy=config.strategy if way.strategy == config.strategy.name else StrategyChoice(),
         checkpoint=CheckpointChoice(name="simple", options={"keep_last": 1}, preempt_signals=()),
         schedule=(),
         plugins={},

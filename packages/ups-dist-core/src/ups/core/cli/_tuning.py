@@ -2,7 +2,8 @@
 memory on every rank.
 
 Every rank builds what a training step needs as ``ups train`` would (no evaluation data, no
-checkpoint backend, no run folder: nothing of the run's own folder is touched) and
+checkpoint backend, no run folder: nothing of the run's own folder is touched; the config's
+strategy, so a sharded model's trials hold its shards) and
 :func:`~ups.core.engine._largest_batch.find_batch_size` tries optimizer steps of growing batch sizes,
 agreeing after each on whether it fitted everywhere.
 """
@@ -37,7 +38,8 @@ def tune_batch_size(
     collate = parts.loader.collate_fn
 
     def trial_step(batch_size: int) -> None:
-        """One optimizer step on this rank alone (no collective: through the bare module)."""
+        """One optimizer step: on this rank alone (no collective: through the bare module),
+        or on every rank together under a strategy without local passes (FSDP)."""
         stepper.trial(sample_batch(parts.dataset, collate, batch_size))
 
     sampler, dataset = parts.sampler, parts.dataset

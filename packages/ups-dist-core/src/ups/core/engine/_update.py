@@ -368,7 +368,7 @@ class Stepper:
         local_passes: bool = True,
     ) -> None:
         self.ctx, self.training, self.model, self.ddp = ctx, training, model, ddp
-        self.strategy = strategy
+        self.strategy, self.local_passes = strategy, local_passes
         self.forward, self.optimizer, self.scheduler = forward, optimizer, scheduler
         self.watchdog = watchdog
         self.even = even
@@ -456,8 +456,10 @@ class Stepper:
             self.strategy.backward_unsynced(self.scaler.scale(loss.mean), self.model)
 
     def trial(self, batch: Any) -> None:
-        """One optimizer step on ``batch`` on this rank alone (``ups tune``: does it fit?)."""
-        self.backward_alone(batch)
+        """One optimizer step on ``batch`` (``ups tune``: does it fit?): on this rank alone,
+        or, under a strategy that cannot pass a micro-batch without collectives (FSDP), on
+        every rank together, synchronising as a step does."""
+        self.backward_alone(batch, sync=not self.local_passes)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
