@@ -263,6 +263,17 @@ def bench_ckpt(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_ckpt.py", *session.posargs)
 
 
+@nox.session(name="bench_memory", default=False)
+def bench_memory(session: nox.Session) -> None:
+    """Benchmark what each rank holds under ups-fsdp's ``zero`` and ``fsdp`` against ``ddp``
+    (a model of 50 M parameters, AdamW, 2 and 4 local CPU ranks, gloo): bytes of parameters,
+    gradients and optimizer state, peak resident memory, step time; see benchmarks/README.md.
+    Not a default session: ``nox -s bench_memory``; small runs:
+    ``nox -s bench_memory -- --params 2000000 --steps 2``."""
+    install(session, "core", "fsdp")
+    session.run("python", "benchmarks/bench_memory.py", *session.posargs)
+
+
 @nox.session(name="bench_comm", default=False)
 def bench_comm(session: nox.Session) -> None:
     """Benchmark ups-comm-hooks' hooks against plain float32 all-reduce (a model of 12.6 M
