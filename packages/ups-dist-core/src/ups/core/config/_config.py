@@ -234,6 +234,28 @@ class EMAConfig:
 
 
 @attrs.frozen(kw_only=True)
+class GuardConfig:
+    """What every rank does, together, when an optimizer step goes bad: its global gradient
+    norm (after the gradients are averaged over the ranks, the same number on every rank) is
+    not finite, or spikes over ``spike`` times its running average."""
+
+    action: Literal["skip", "stop"] = "skip"
+    """``skip``: every rank drops the step (no update, the scheduler and the schedule as if it
+    did not happen), counted as ``guard_skipped``; ``stop``: every rank stops with one line
+    naming the step, the ranks whose loss was not finite, the tasks and the batches."""
+    spike: float | None = attrs.field(default=None, validator=above(1))
+    """A norm over this many times the running average of the accepted steps' norms is a
+    spike (after ``warmup_steps`` of them); ``null``: only a norm that is not finite is."""
+    warmup_steps: int = attrs.field(default=20, validator=at_least(1))
+    """Accepted steps whose norms the running average takes before spikes are looked for."""
+    max_skips: int = attrs.field(default=3, validator=at_least(0))
+    """With ``skip``: stop as ``stop`` does once more than this many steps were skipped within
+    the last ``window`` steps attempted (``0``: the first bad step stops)."""
+    window: int = attrs.field(default=100, validator=at_least(1))
+    """The steps attempted (taken or skipped) over which ``max_skips`` counts."""
+
+
+@attrs.frozen(kw_only=True)
 class TrainingConfig:
     """The optimisation."""
 
@@ -275,6 +297,9 @@ class TrainingConfig:
     """Peak FLOP/s of one device, for the ``mfu`` metric (with a model that counts its FLOPs)."""
     ema: EMAConfig | None = None
     """An exponential moving average of the weights; ``null``: none."""
+    guard: GuardConfig | None = None
+    """What every rank does when a step's gradient norm is not finite or spikes; ``null``:
+    nothing (a loss that is not finite stops the run at the next report or checkpoint)."""
 
 
 @attrs.frozen(kw_only=True)

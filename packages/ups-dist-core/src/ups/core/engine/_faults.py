@@ -14,7 +14,12 @@ included. ``kill_backward`` sends the rank SIGKILL later in that step, inside it
 once the first module's backward is done (for a model whose gradients fill one DDP bucket,
 before their all-reduce starts). ``kill_save`` sends the rank SIGKILL inside the checkpoint
 save of optimizer step ``STEP``, at its first ``os.fsync`` there: its file written, the
-checkpoint not committed. A fault that fires logs ``fault injected`` (its kind and step) first.
+checkpoint not committed. ``nan``, ``inf`` and ``spike`` corrupt, instead, the output of that
+first forward pass (a tensor, or the tensors of a tuple, list or dict of them), for the training
+guard (``training.guard``) to catch: ``nan`` multiplies it by NaN (the rank's loss is not
+finite), ``inf`` leaves it as it is but makes the gradient flowing back into it infinite (the
+loss finite, the gradients not), ``spike`` multiplies it by ``1e4`` (the gradient norm spikes).
+A fault that fires logs ``fault injected`` (its kind and step) first.
 
 Faults fire in the workers' first start only: a job its launcher restarted
 (:attr:`~ups.core.dist._context.RunContext.restart_count` above 0) runs without them. This is a testing
@@ -27,7 +32,8 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator, Mapping
+import typing
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -39,8 +45,12 @@ from ..config._errors import UsageError
 log = structlog.get_logger()
 
 ENV = "UPS_FAULTS"
-Kind = Literal["oom", "error", "kill", "hang", "kill_backward", "kill_save"]
-KINDS: tuple[Kind, ...] = ("oom", "error", "kill", "hang", "kill_backward", "kill_save")
+Kind = Literal["oom", "error", "kill", "hang", "kill_backward", "kill_save", "nan", "inf", "spike"]
+KINDS: tuple[Kind, ...] = typing.get_args(Kind)
+CORRUPTING: frozenset[Kind] = frozenset({"nan", "inf", "spike"})
+"""The faults that corrupt a forward pass's output (:meth:`FaultInjector.corrupt`)."""
+SPIKE = 1e4
+"""What a ``spike`` fault multiplies the output by."""
 
 
 @attrs.frozen
@@ -84,6 +94,7 @@ class FaultInjector:
         faults = parse_faults(env.get(ENV, "")) if restart_count == 0 else ()
         self._faults = [f for f in faults if f.rank == rank]
         self._fired: set[int] = set()
+        self._corrupting: Kind | None = None
 
     def __bool__(self) -> bool:
         """Whether any fault is meant for this rank."""
@@ -91,8 +102,8 @@ class FaultInjector:
 
     def check(self, step: int) -> None:
         """Fire the fault meant for this rank's ``step``-th attempted step (raise, SIGKILL this
-        process, sleep forever, or have the step's backward pass SIGKILL it), the first time it
-        is called for that step."""
+        process, sleep forever, have the step's backward pass SIGKILL it, or the forward pass's
+        output corrupted by :meth:`corrupt`), the first time it is called for that step."""
         if step in self._fired:
             return
         for fault in self._faults:
@@ -107,9 +118,25 @@ class FaultInjector:
                 if fault.kind == "kill_backward":  # hooks the modules this forward pass calls
                     torch.nn.modules.module.register_module_full_backward_hook(lambda *_: _kill())
                     return
+                if fault.kind in CORRUPTING:
+                    self._corrupting = fault.kind
+                    return
                 while fault.kind == "hang":
                     time.sleep(3600)
                 raise RuntimeError(f"injected error ({where})")
+
+    def corrupt(self, output: Any) -> Any:
+        """A forward pass's ``output`` as a ``nan``, ``inf`` or ``spike`` fault that :meth:`check`
+        fired for this pass corrupts it (its floating-point tensors; in a tuple, list or dict
+        too), or ``None`` (the output as it is: a forward hook's way) without one."""
+        kind, self._corrupting = self._corrupting, None
+        if kind is None:
+            return None
+        if kind == "nan":
+            return _each_tensor(output, lambda t: t * float("nan"))
+        if kind == "spike":
+            return _each_tensor(output, lambda t: t * SPIKE)
+        return _each_tensor(output, _InfiniteGradient.apply)
 
     @contextlib.contextmanager
     def saving(self, step: int) -> Iterator[None]:
@@ -131,6 +158,30 @@ class FaultInjector:
             yield
         finally:
             os.fsync = fsync
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    """The identity, whose backward pass gives an infinite gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, float("inf"))
+
+
+def _each_tensor(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``change`` applied to its floating-point tensors (``value`` itself, or
+    the items of a tuple, list or dict)."""
+    if isinstance(value, torch.Tensor):
+        return change(value) if value.is_floating_point() else value
+    if isinstance(value, tuple | list):
+        return type(value)(_each_tensor(item, change) for item in value)
+    if isinstance(value, dict):
+        return {key: _each_tensor(item, change) for key, item in value.items()}
+    return value
 
 
 def _kill() -> None:

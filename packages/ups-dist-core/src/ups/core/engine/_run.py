@@ -43,6 +43,7 @@ from ..plugin._records import TrainResult
 from ._ema import EMA, evaluate_beside
 from ._evaluation import evaluate, val_named
 from ._faults import FaultInjector
+from ._guard import Guard, GuardStoppedError
 from ._loader import Epoch, StepBatches
 from ._model import warm_start
 from ._optim import MONITOR, is_plateau, step_on_plateau
@@ -166,6 +167,7 @@ def stepping(config: Config, ctx: RunContext, parts: Parts, watchdog: Watchdog) 
         even=parts.even,
         strategy=parts.strategy,
         local_passes=parts.local_passes,
+        guard=run_guard(config, ctx),
     )
     return Stepping(forward, stepper, window, metrics)
 
@@ -235,8 +237,9 @@ class Run:
         in the model's forward, inside DDP's, after its own collectives."""
         faults = FaultInjector(self.ctx.rank, restart_count=self.restarted)
         if faults:
-            stepper = self.stepper
-            self.parts.model.register_forward_pre_hook(lambda *_: faults.check(stepper.attempts))
+            stepper, model = self.stepper, self.parts.model
+            model.register_forward_pre_hook(lambda *_: faults.check(stepper.attempts))
+            model.register_forward_hook(lambda _module, _args, output: faults.corrupt(output))
         return faults
 
     def _training_state(self, faults: FaultInjector) -> TrainingState:
@@ -415,7 +418,11 @@ class Run:
             while left and self._more_steps():
                 group = min(self.schedule.accumulation_steps, left)
                 left -= group
-                taken = self.stepper.step(self.step + 1, batches, group)
+                try:
+                    taken = self.stepper.step(self.step + 1, batches, group)
+                except GuardStoppedError as stopped:  # name the step's batches
+                    epoch = self.position.epoch
+                    raise stopped.at(epoch, batches.taken - group + 1, batches.taken) from None
                 self._at(batches, left, taken=taken is not None)
                 if taken is None:
                     continue  # every rank skipped the batch
@@ -502,6 +509,11 @@ class Run:
             "lr": self.stepper.optimizer.param_groups[0]["lr"],
             "oom_skipped": self.stepper.oom_skipped,
         }
+        guard = self.stepper.guard
+        if guard is not None:
+            extra["guard_skipped"] = guard.skipped
+            if guard.scaled:
+                extra["scaler_skipped"] = guard.overflows
         extra |= self.parts.comm.metrics(steps)
         if not math.isnan(self._grad_norm):
             extra["grad_norm"] = self._grad_norm
@@ -597,6 +609,15 @@ class Run:
         log.info("communication profile", trace=str(profiler.trace), **profile.summary())
         if self.ctx.is_main:
             (profiler.trace.parent / "comm.json").write_text(json.dumps(profile.as_dict()))
+
+
+def run_guard(config: Config, ctx: RunContext) -> Guard | None:
+    """The guard ``training.guard`` asks for, or ``None``."""
+    guard = config.training.guard
+    if guard is None:
+        return None
+    fp16 = config.training.precision == "fp16"
+    return Guard(guard, ctx, tasks=config.data.tasks, scaled=fp16)
 
 
 def run_ema(config: Config, parts: Parts) -> EMA | None:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config._config import Config
@@ -119,6 +120,15 @@ class Strategy:
         same number on every rank."""
         # Gradients are averaged over ranks already: every rank computes the same norm.
         return float(nn.utils.clip_grad_norm_(parameters, max_norm))
+
+    def grad_norm(self, parameters: Iterable[nn.Parameter]) -> float:
+        """The global norm of the gradients of ``parameters``, the same number on every rank
+        (``training.guard`` without clipping). Sharded gradients (DTensors) are summed over
+        the shards: a collective then, which every rank calls."""
+        norm = nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
 
     def gathered(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (a model's state dict, the EMA's averages) with full tensors: what a

@@ -7,7 +7,9 @@ synchronised across ranks on the last one only (the others accumulate on each ra
 every rank, then applied. Every sample of a step weighs the same, whichever micro-batch and
 rank it is on (:class:`Weights`). What fails before the synchronising backward is agreed on by
 every rank (``training.skip_oom``): out of memory skips the step everywhere, anything else stops
-every rank naming the one that failed.
+every rank naming the one that failed. What goes bad after it (a gradient norm that is not
+finite, or spikes) is judged alike on every rank by the :class:`~ups.core.engine._guard.Guard`
+(``training.guard``), which skips the step everywhere or stops every rank.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..dist._watchdog import BACKWARD, DONE, EVALUATING, FORWARD, FORWARD_DONE, 
 from ..observe._metrics import LossWindow
 from ..observe._step_metrics import UserMetrics
 from ._batches import to_device
+from ._guard import Guard
 from ._optim import is_plateau
 from ._step import Step, StepError, _raw, batch_mean
 from ._strategy import Strategy
@@ -366,8 +369,10 @@ class Stepper:
         even: bool,
         strategy: Strategy,
         local_passes: bool = True,
+        guard: Guard | None = None,
     ) -> None:
         self.ctx, self.training, self.model, self.ddp = ctx, training, model, ddp
+        self.guard = guard
         self.strategy, self.local_passes = strategy, local_passes
         self.forward, self.optimizer, self.scheduler = forward, optimizer, scheduler
         self.watchdog = watchdog
@@ -393,9 +398,9 @@ class Stepper:
     ) -> tuple[float, list[Taken]] | None:
         """Take optimizer step ``number``: forward and backward ``group`` micro-batches, each
         sample weighed the same over all of them and all ranks (:class:`Weights`), then
-        update; return the gradient norm before clipping (NaN when not clipping) and what each
-        micro-batch adds to the metrics, or ``None`` when every rank skipped the step because
-        one ran out of memory.
+        update; return the gradient norm before clipping (NaN when neither clipping nor
+        guarding) and what each micro-batch adds to the metrics, or ``None`` when every rank
+        skipped the step: one ran out of memory, or the guard found it bad.
 
         The step's micro-batches are drawn before the first forward. What fails before the
         synchronising backward (loading, forward passes, the local backward passes) is agreed
@@ -434,10 +439,14 @@ class Stepper:
         last = weights.last(micro.last, self.model.parameters())
         self.scaler.scale(last).backward()  # type: ignore[no-untyped-call]
         weights.after(self.model.parameters())
-        grad_norm = float("nan")
-        if t.grad_clip_norm is not None:
-            self.scaler.unscale_(self.optimizer)
-            grad_norm = self.strategy.clip_grad_norm(self.model.parameters(), t.grad_clip_norm)
+        grad_norm = self._grad_norm()
+        guard = self.guard
+        if guard is not None and (reason := guard.check(grad_norm)) is not None:
+            guard.act(number, self.attempts, reason, [(m.loss, m.task_ids) for m in micro.taken])
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler.is_enabled():  # unscaled, not stepped: its scale kept as it is
+                self.scaler.update(self.scaler.get_scale())
+            return None
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -445,6 +454,18 @@ class Stepper:
             self.scheduler.step()  # a plateau scheduler steps after evaluations
         self.watchdog.mark(self.attempts, DONE)
         return grad_norm, micro.taken
+
+    def _grad_norm(self) -> float:
+        """The step's global gradient norm, the same on every rank, once unscaled: clipped to
+        ``training.grad_clip_norm``, or, with the guard alone, measured (a host sync); NaN
+        with neither."""
+        clip = self.training.grad_clip_norm
+        if clip is None and self.guard is None:
+            return float("nan")
+        self.scaler.unscale_(self.optimizer)
+        if clip is not None:
+            return self.strategy.clip_grad_norm(self.model.parameters(), clip)
+        return self.strategy.grad_norm(self.model.parameters())
 
     def backward_alone(self, batch: Any, *, sync: bool = False) -> None:
         """Forward and backward one batch, through DDP with ``sync``, else on this rank alone
