@@ -244,6 +244,15 @@ def bench_ema(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_ema.py", *session.posargs)
 
 
+@nox.session(name="bench_guard", default=False)
+def bench_guard(session: nox.Session) -> None:
+    """Benchmark the training guard (``training.guard``) in one process against the same run
+    without it, and its added work alone; see docs/benchmarks.md. Not a default session:
+    ``nox -s bench_guard``."""
+    install(session, "core")
+    session.run("python", "benchmarks/bench_guard.py", *session.posargs)
+
+
 @nox.session(name="bench_samplers", default=False)
 def bench_samplers(session: nox.Session) -> None:
     """Benchmark the samplers of ups-samplers against torch's ``DistributedSampler`` (one

@@ -1,0 +1,127 @@
+"""Benchmark the training guard (``training.guard: {action: skip, spike: 10}``, clipping off)
+in one process, against the same run without it.
+
+Two measurements:
+
+engine
+    The tiny project of :func:`ups.core.testing.tiny_project` (a 4-8-1 MLP, batches of 8: the
+    engine's own time dominates its steps) trained by :func:`ups.core.train` on one process
+    for ``--steps`` steps, reporting every ``--steps / 10``: a run's time per step is the median
+    of its reports' ``step_time_s`` after the first report (start-up left out). Rounds alternate
+    which run goes first; reported per round, then as the median (min to max): µs per step
+    without and with the guard and their difference.
+added work alone
+    What the guard adds to a step, timed alone over 2000 calls on the gradients of the
+    operator example's FNO (``examples/pde_operator``, 24 tensors): ``Strategy.grad_norm``
+    (``torch.nn.utils.get_total_norm``, then ``float``) and ``Guard.check`` (all it adds when
+    ``training.grad_clip_norm`` computes the norm already).
+
+Usage: ``python benchmarks/bench_guard.py [--rounds N] [--steps N] [--out FILE]``
+(``nox -s bench_guard`` runs it). Prints a Markdown table and writes a JSON file (default
+``.nox-reports/bench_guard.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from bench_ema import batch, build_model
+from torch import nn
+
+from ups.core import Config, RunContext, load_config, train
+from ups.core.config._config import GuardConfig
+from ups.core.engine._guard import Guard
+from ups.core.engine._strategy import Strategy
+from ups.core.testing import tiny_project
+
+ROOT = Path(__file__).resolve().parents[1]
+GUARD = {"action": "skip", "spike": 10.0}
+
+
+def engine_us(folder: Path, guard: dict[str, Any] | None, steps: int) -> float:
+    """Microseconds per step of the engine on the tiny project, with ``guard`` or without."""
+    every = max(1, steps // 10)
+    path = tiny_project(
+        folder,
+        run={"log_every": every},
+        data={"options": {"n": 8 * steps}},
+        training={"max_steps": steps, "guard": guard},
+    )
+    result = train(path)
+    times = [m["step_time_s"] for m in result.metrics[1:]]
+    return statistics.median(times) * 1e6
+
+
+def added_us(config: Config, calls: int) -> tuple[float, float]:
+    """Microseconds per ``Strategy.grad_norm`` (the ``ddp`` strategy's, for ``config``) and
+    per ``Guard.check`` on the FNO's gradients."""
+    model = build_model()
+    u0, params, target = batch(model)
+    nn.functional.mse_loss(model(u0, params), target).backward()
+    strategy = Strategy(RunContext(), config)
+    guard = Guard(GuardConfig(spike=10.0), RunContext(), scaled=False)
+    start = time.perf_counter()
+    for _ in range(calls):
+        norm = strategy.grad_norm(model.parameters())
+    norm_us = (time.perf_counter() - start) / calls * 1e6
+    start = time.perf_counter()
+    for _ in range(calls):
+        guard.check(norm)
+    return norm_us, (time.perf_counter() - start) / calls * 1e6
+
+
+def summary(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f} to {max(values):.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--out", type=Path, default=ROOT / ".nox-reports" / "bench_guard.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    plain: list[float] = []
+    guarded: list[float] = []
+    with tempfile.TemporaryDirectory() as folder:
+        for round_ in range(args.rounds):
+            order = (None, GUARD) if round_ % 2 == 0 else (GUARD, None)
+            for index, guard in enumerate(order):
+                found = engine_us(Path(folder) / f"{round_}-{index}", guard, args.steps)
+                (plain if guard is None else guarded).append(found)
+        norm_us, check_us = added_us(load_config(tiny_project(Path(folder) / "fno")), 2000)
+    added = [g - p for g, p in zip(guarded, plain, strict=True)]
+    result = {
+        "machine": platform.platform(),
+        "torch": torch.__version__,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "plain_us": plain,
+        "guard_us": guarded,
+        "added_us": added,
+        "grad_norm_us": norm_us,
+        "check_us": check_us,
+    }
+    print(f"tiny project, one process, 1 thread, {args.steps} steps a run\n")
+    print("| measure | median (min to max) |\n|---|---|")
+    print(f"| engine step without the guard, µs | {summary(plain)} |")
+    print(f"| engine step with the guard (skip, spike: 10), µs | {summary(guarded)} |")
+    print(f"| added by the guard, µs/step | {summary(added)} |")
+    print(f"| `Strategy.grad_norm` alone (FNO, 24 tensors), µs/call | {norm_us:.1f} |")
+    print(f"| `Guard.check` alone, µs/call | {check_us:.2f} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
