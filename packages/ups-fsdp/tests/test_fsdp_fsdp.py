@@ -167,19 +167,25 @@ def test_compiled_blocks_train_as_ddp(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bf16_gathers_bf16_and_keeps_fp32_weights(tmp_path: Path) -> None:
     """``training.precision: bf16``: the checkpoint's weights are fp32, near ``ddp``'s under
-    autocast (within bf16's rounding over 9 steps), reduced in bf16 or fp32."""
+    autocast (within bf16's rounding over 9 steps), reduced in bf16 or fp32; under fp32,
+    ``reduce_dtype: bf16`` rounds the reduced gradients (near fp32's, not equal)."""
     shape = (2, 2, [3, 4], 2 * 2 * 2 + 7)
     bf16 = {"training": {"precision": "bf16"}}
-    ddp, *sharded = on_ranks(
+    ddp, *sharded, fp32, compressed = on_ranks(
         [
             config(tmp_path / "ddp", shape, **bf16),
             config(tmp_path / "bf16", shape, **bf16, strategy=fsdp()),
             config(tmp_path / "fp32", shape, **bf16, strategy=fsdp(reduce_dtype="fp32")),
+            config(tmp_path / "ddp_fp32", shape),
+            config(tmp_path / "compressed", shape, strategy=fsdp(reduce_dtype="bf16")),
         ]
     )
     for found in sharded:
         assert {t.dtype for t in found["state"]["model"].values()} == {torch.float32}
         assert_params_close(found["state"]["model"], ddp["state"]["model"], atol=2e-2)
+    assert_params_close(compressed["state"]["model"], fp32["state"]["model"], atol=2e-2)
+    with pytest.raises(AssertionError):
+        assert_params_close(compressed["state"]["model"], fp32["state"]["model"], atol=1e-6)
 
 
 def sharded_modules(ctx: RunContext, folder: Path, blocks: list[str]) -> list[str]:

@@ -15,7 +15,9 @@ any number of ranks.
 Precision. Under ``training.precision: bf16`` the blocks gather their parameters in bfloat16
 (``MixedPrecisionPolicy(param_dtype=bf16)``) and reduce-scatter gradients in
 ``reduce_dtype`` (bf16 unless ``strategy.options.reduce_dtype: fp32``); the sharded parameters,
-the optimizer's state and the reduced gradients stay fp32. The engine's autocast stays on over
+the optimizer's state and the reduced gradients stay fp32 (under ``fp32``,
+``reduce_dtype: bf16`` alone halves the gradients' traffic, as DDP's bf16 compression hook
+would). The engine's autocast stays on over
 it, so operations autocast runs in fp32 (losses, softmax, norms on CUDA) run in fp32 as under
 ``ddp``. What differs from ``ddp`` + autocast: a parameter is rounded to bf16 once per gather,
 for every operation (under ``ddp`` autocast rounds it only for the operations it runs in
@@ -54,7 +56,9 @@ from ._options import FSDPOptions
 BLOCKS_KEY = "strategy.options.blocks"
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 """Whose children are the blocks where ``blocks`` names none."""
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtype blocks gather their parameters in, by ``training.precision`` (fp32: their own)."""
+REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class FSDPStrategy(Strategy):
@@ -124,15 +128,12 @@ class FSDPStrategy(Strategy):
         )
 
     def _precision(self) -> MixedPrecisionPolicy:
-        """bf16 gathered parameters under ``training.precision: bf16``, gradients reduced in
-        ``reduce_dtype`` (else the parameters' compute dtype); none under fp32."""
-        precision = self.config.training.precision
-        if precision == "fp32":
-            return MixedPrecisionPolicy()
-        param = DTYPES.get(precision, torch.float16)
+        """Parameters gathered in ``training.precision``'s half dtype (none under fp32),
+        gradients reduced in ``reduce_dtype``, else in that dtype."""
+        param = COMPUTE_DTYPES.get(self.config.training.precision)
         reduce = self.options.reduce_dtype
         return MixedPrecisionPolicy(
-            param_dtype=param, reduce_dtype=DTYPES[reduce] if reduce else param
+            param_dtype=param, reduce_dtype=REDUCE_DTYPES[reduce] if reduce else param
         )
 
     def _blocks(self, model: nn.Module) -> list[nn.Module]:
