@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 Evaluate = Literal["both", "ema", "live"]
 """Which weights an evaluation measures: ``both`` (the live weights' metrics under their own
@@ -118,7 +119,7 @@ class EMA:
         weight = 1.0 - self.decay_at(step)
         for floating, kept, live in self._groups:
             if not floating or weight == 1.0:
-                torch._foreach_copy_(kept, live)
+                _copy(kept, live)
             elif kept[0].dtype == live[0].dtype:
                 torch._foreach_lerp_(kept, live, weight)
             else:
@@ -128,7 +129,7 @@ class EMA:
     def reset(self) -> None:
         """Start the averages afresh from the model's weights as they are now."""
         for _, kept, live in self._groups:
-            torch._foreach_copy_(kept, live)
+            _copy(kept, live)
 
     def averaged(self) -> dict[str, torch.Tensor]:
         """The averages as a state dict of the model (the same names): what
@@ -141,12 +142,12 @@ class EMA:
         own weights again, to the bit."""
         with torch.no_grad():
             saved = [t.clone() for t in self._live]
-            torch._foreach_copy_(self._live, self._kept)
+            _copy(self._live, self._kept)
         try:
             yield
         finally:
             with torch.no_grad():
-                torch._foreach_copy_(self._live, saved)
+                _copy(self._live, saved)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: ``{"model": <the averages, by the model's names>}``."""
@@ -176,15 +177,26 @@ def _kept_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def _copy(into: list[torch.Tensor], source: list[torch.Tensor]) -> None:
+    """``into[i].copy_(source[i])`` for each ``i``: one ``torch._foreach_copy_``, or a copy each
+    for the shards of a sharded model (DTensors: ``_foreach_copy_`` has no sharding rule), each
+    copying its rank's shard only."""
+    if into and isinstance(into[0], DTensor):
+        for a, b in zip(into, source, strict=True):
+            a.copy_(b)
+    else:
+        torch._foreach_copy_(into, source)
+
+
 def _groups(
     live: list[torch.Tensor], kept: list[torch.Tensor]
 ) -> list[tuple[bool, list[torch.Tensor], list[torch.Tensor]]]:
-    """The pairs grouped by (floating, kept dtype, live dtype, device), for one foreach call
-    each: ``(floating, kept, live)``."""
+    """The pairs grouped by (floating, kept dtype, live dtype, device, sharded), for one
+    foreach call each: ``(floating, kept, live)``."""
     groups: dict[tuple[Any, ...], tuple[bool, list[torch.Tensor], list[torch.Tensor]]] = {}
     for a, b in zip(kept, live, strict=True):
         floating = b.dtype.is_floating_point or b.dtype.is_complex  # averaged, else copied
-        key = (floating, a.dtype, b.dtype, b.device)
+        key = (floating, a.dtype, b.dtype, b.device, isinstance(b, DTensor))
         groups.setdefault(key, (floating, [], []))
         groups[key][1].append(a)
         groups[key][2].append(b)
