@@ -13,16 +13,18 @@ each step (the outermost optimizer's: ``zero``'s ``ZeroRedundancyOptimizer`` ste
 optimizer over the rank's share, whose state is the one held), the rank counts the bytes of the
 storages its tensors hold, each storage once (a DTensor's local shard): the model's parameters,
 their ``.grad``, and every tensor of the optimizers' ``state`` (the outer one's and the inner
-one's). Also the peak resident set (``ru_maxrss``, read at the last timed step, so before the
-final checkpoint's gathering) and its rise over the resident set when the factory was called
-(the interpreter and torch, the same under every strategy), and the wall time of each step after
-the warm-up (from one step's end to the next's). DDP's bucket copy of the gradients is in the
-resident set, not in the counted bytes.
+one's). At the last timed step (so before the final checkpoint's gathering), the peak resident
+set (``ru_maxrss``), then the resident set once glibc has given the heap's free memory back to
+the system (``malloc_trim(0)``): what the rank's live tensors, the interpreter and torch take,
+without the freed buffers (all-gathers, reduce-scatters) the allocator keeps. And the wall time
+of each step after the warm-up (from one step's end to the next's). DDP's bucket copy of the
+gradients is in the resident sets, not in the counted bytes.
 
 Reported per strategy and number of ranks: the counted bytes (the largest rank's) and their
 ratio to ``ddp``'s at the same number of ranks, against the targets of the sharded strategies
-(:data:`TARGETS`); the peak resident set and its rise, and their ratios; the median step time
-(over the timed steps of every rank) and its ratio. Every rank runs one intra-op thread.
+(:data:`TARGETS`); both resident sets (the largest rank's) and their ratios; the median step
+time (over the timed steps of every rank) and its ratio. Every rank runs one intra-op thread;
+Linux with glibc.
 
 Usage: ``python benchmarks/bench_memory.py [--params N] [--steps N] [--worlds 2,4]``
 (``nox -s bench_memory`` runs it; a quick check: ``-- --params 2000000 --steps 2``). Prints a
@@ -33,6 +35,7 @@ Markdown table and writes ``.nox-reports/bench_memory.json`` (the ranks' logs:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -106,9 +109,11 @@ class Probe:
     docstring) and the step's wall time; at the last timed step, this rank's record goes to
     ``out/rank{R}.json``."""
 
-    def __init__(self, model: nn.Module, out: str, warmup: int, steps: int) -> None:
+    def __init__(
+        self, model: nn.Module, start_rss_mib: float, out: str, warmup: int, steps: int
+    ) -> None:
         self.model, self.out, self.warmup, self.steps = model, Path(out), warmup, steps
-        self.start_rss_mib = rss_mib("VmRSS")
+        self.start_rss_mib = start_rss_mib
         self.depth = 0
         self.inner: list[torch.optim.Optimizer] = []
         self.count = 0
@@ -158,11 +163,14 @@ class Probe:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        ctypes.CDLL(None).malloc_trim(0)  # glibc: give the heap's free memory back first
         record = {
             "rank": rank,
             "held_bytes": self.held,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "start_rss_mib": self.start_rss_mib,
+            "peak_rss_mib": peak,
+            "trimmed_rss_mib": rss_mib("VmRSS"),
             "step_s": self.step_s,
         }
         (self.out / f"rank{rank}.json").write_text(json.dumps(record))
@@ -171,13 +179,14 @@ class Probe:
 def build_model(width: int, layers: int, probe: dict[str, Any]) -> nn.Module:
     """``layers`` blocks of ``Linear(width, width)`` and ``Tanh``, with a :class:`Probe`
     (``probe``: its ``out``, ``warmup`` and ``steps``) watching every optimizer step."""
+    start_rss_mib = rss_mib("VmRSS")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     blocks: list[nn.Module] = []
     for _ in range(layers):
         blocks += [nn.Linear(width, width), nn.Tanh()]
     model = nn.Sequential(*blocks)
-    watch = Probe(model, **probe)
+    watch = Probe(model, start_rss_mib, **probe)
     register_optimizer_step_pre_hook(watch.before)
     register_optimizer_step_post_hook(watch.after)
     return model
@@ -242,7 +251,7 @@ def measure(
     return {
         "held_bytes": max(r["held_bytes"]["total"] for r in ranks),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
-        "rss_rise_mib": max(r["peak_rss_mib"] - r["start_rss_mib"] for r in ranks),
+        "trimmed_rss_mib": max(r["trimmed_rss_mib"] for r in ranks),
         "step_s": statistics.median(s for r in ranks for s in r["step_s"]),
         "ranks": ranks,
     }
@@ -257,7 +266,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The Markdown table of the rows, ratios to ``ddp``'s row of the same number of ranks."""
     lines = [
         "| strategy | ranks | params + grads + optimizer state, MiB/rank | x ddp | target "
-        "| peak RSS, MiB | x ddp | RSS rise, MiB | x ddp | step, s | x ddp |",
+        "| peak RSS, MiB | x ddp | RSS after, trimmed, MiB | x ddp | step, s | x ddp |",
         "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
@@ -268,7 +277,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         target = row.get("target")
         verdict = "" if target is None else f"<= {target} ({'met' if row['met'] else 'NOT met'})"
         cells = [f"{row['held_bytes'] / MIB:.1f}", ratio(row, "held_bytes"), verdict]
-        for key, digits in (("peak_rss_mib", 0), ("rss_rise_mib", 0), ("step_s", 3)):
+        for key, digits in (("peak_rss_mib", 0), ("trimmed_rss_mib", 0), ("step_s", 3)):
             cells += [f"{row[key]:.{digits}f}", ratio(row, key)]
         lines.append(head + "| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -313,7 +322,7 @@ def main() -> None:
             if label == "ddp":
                 baseline = row
             if "error" not in row and "error" not in baseline:
-                keys = ("held_bytes", "peak_rss_mib", "rss_rise_mib", "step_s")
+                keys = ("held_bytes", "peak_rss_mib", "trimmed_rss_mib", "step_s")
                 row["x_ddp"] = {key: row[key] / baseline[key] for key in keys}
                 target = TARGETS.get((label, world))
                 if target is not None:
