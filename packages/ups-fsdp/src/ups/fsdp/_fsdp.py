@@ -185,15 +185,12 @@ class FSDPStrategy(Strategy):
             model.set_requires_gradient_sync(True)
 
     def clip_grad_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> float:
-        """The global norm of the sharded gradients (each rank's shards' norms all-reduced),
-        the gradients clipped to ``max_norm``."""
+        """The global norm of the sharded gradients (:meth:`~ups.core.Strategy.grad_norm`: the
+        shards' norms all-reduced), the gradients clipped to ``max_norm``."""
         params = list(parameters)
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = nn.utils.get_total_norm(grads)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return float(norm)
+        norm = self.grad_norm(params)
+        nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
+        return norm
 
     def gathered(self, state: dict[str, Any]) -> dict[str, Any]:
         """Every DTensor of ``state`` all-gathered into a full tensor on the CPU."""
