@@ -399,6 +399,26 @@ def test_each_rank_holds_about_half_the_parameters(tmp_path: Path) -> None:
         assert sharded <= 0.55 * whole
 
 
+def rank_weights(ctx: RunContext, folder: Path) -> dict[str, Params]:
+    """Each rank's model made different (rank added to its weights), then wrapped: its own
+    weights before, and the full ones after."""
+    strategy = fsdp_strategy(ctx, config(folder, (2, 2, [1, 2], 3), strategy=fsdp()))
+    model = weighting_model()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(ctx.rank)
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"own": own, "wrapped": strategy.gathered(strategy.wrap(model).state_dict())}
+
+
+@pytest.mark.slow
+def test_every_rank_starts_from_rank_0s_weights(tmp_path: Path) -> None:
+    """As DDP broadcasts rank 0's weights, so does ``fsdp`` before sharding them."""
+    first, second = run_ranks(rank_weights, WORLD, tmp_path)
+    assert_bitwise_equal(first["wrapped"], first["own"])
+    assert_bitwise_equal(second["wrapped"], first["own"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Refusals
 

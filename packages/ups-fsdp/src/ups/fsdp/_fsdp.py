@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -84,15 +85,18 @@ class FSDPStrategy(Strategy):
             )
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """``model`` with every block, then the root, sharded (``fully_shard``), each block
-        compiled first where ``training.compile`` asks; the model itself on one process. A
-        collective (the mesh's process groups)."""
+        """``model`` with rank 0's weights (as DDP broadcasts them), every block, then the
+        root, sharded (``fully_shard``), each block compiled first where ``training.compile``
+        asks; the model itself on one process. A collective."""
         blocks = self._blocks(model)  # checked on one process too
         if not self.ctx.distributed:
             return super().wrap(model)
         if self.config.training.compile:
             for block in blocks or [model]:
                 block.compile()
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)
         mesh = self._mesh()
         options = self.options
         offload = CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy()
