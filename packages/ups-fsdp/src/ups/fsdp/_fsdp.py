@@ -97,28 +97,16 @@ class FSDPStrategy(Strategy):
         with torch.no_grad():
             for tensor in model.state_dict().values():
                 dist.broadcast(tensor, src=0)
-        mesh = self._mesh()
         options = self.options
-        offload = CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy()
-        policy = self._precision()
-        for block in blocks:
-            fully_shard(
-                block,
-                mesh=mesh,
-                reshard_after_forward=options.reshard_after_forward,
-                mp_policy=policy,
-                offload_policy=offload,
-            )
-        return typing.cast(
-            nn.Module,
-            fully_shard(
-                model,
-                mesh=mesh,
-                reshard_after_forward=options.reshard_after_forward,
-                mp_policy=policy,
-                offload_policy=offload,
-            ),
-        )
+        sharding: dict[str, Any] = {
+            "mesh": self._mesh(),
+            "reshard_after_forward": options.reshard_after_forward,
+            "mp_policy": self._precision(),
+            "offload_policy": CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy(),
+        }
+        for module in [*blocks, model]:  # fully_shard changes each module in place
+            fully_shard(module, **sharding)
+        return model
 
     def _mesh(self) -> DeviceMesh:
         """All ranks in one shard group, or ``(replicate, shard)`` groups."""
