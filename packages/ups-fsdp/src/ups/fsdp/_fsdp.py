@@ -12,6 +12,13 @@ plain ``Optimizer.state_dict()`` format by parameter index; loading takes each r
 of the full tensors (no collective). A ``ddp`` checkpoint resumes under ``fsdp`` and back, at
 any number of ranks.
 
+Limits. Every forward and backward pass gathers parameters, the micro-batches before a step's
+last too (their gradients stay unreduced on the rank, ``set_requires_gradient_sync(False)``):
+every rank must take as many micro-batches in a step. A training sampler that deals one rank
+fewer batches in an epoch's last step than another (``ddp`` takes it: its unsynchronised
+passes run alone) leaves the ranks waiting in different collectives until the watchdog stops
+them. Evaluations may differ in length (:meth:`FSDPStrategy.evaluating`).
+
 Precision. Under ``training.precision: bf16`` the blocks gather their parameters in bfloat16
 (``MixedPrecisionPolicy(param_dtype=bf16)``) and reduce-scatter gradients in
 ``reduce_dtype`` (bf16 unless ``strategy.options.reduce_dtype: fp32``); the sharded parameters,
