@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_core_weighting import LOPSIDED
 
 from ups.core import (
     CommHookPlugin,
@@ -26,7 +27,7 @@ from ups.core.config._validate import validate
 from ups.core.engine import train_rank
 from ups.core.engine._run import Run
 from ups.core.plugin._manager import AUTOLOAD_ENV, Registry, load_plugins
-from ups.core.testing import tiny_project
+from ups.core.testing import run_ranks, tiny_project
 
 SHARDING = types.SimpleNamespace(
     ups_strategies=hookimpl(
@@ -43,6 +44,7 @@ SHARDING = types.SimpleNamespace(
     ups_comm_hooks=hookimpl(
         lambda: [CommHookPlugin(name="fake", factory=lambda ddp, *, ctx, options: None)]
     ),
+    ups_samplers=LOPSIDED.ups_samplers,
 )
 
 
@@ -81,6 +83,61 @@ def test_skip_oom_is_refused_where_a_rank_cannot_pass_alone_and_auto_is_off(
     run = Run(auto, RunContext(), registry())
     assert run.stepper.agree is False  # one process agrees under ddp ("auto"), not here
     assert Run(config(tmp_path), RunContext(), registry()).stepper.agree is True
+
+
+def uneven_epoch(folder: Path, name: str, **training: Any) -> Config:
+    """A run under strategy ``name`` of a sampler that gives rank 0 one batch of the last
+    step and rank 1 two (1 and 3 samples, batches of 2)."""
+    sampler = {"name": "lopsided", "options": {"block": 2, "last": [1, 3]}}
+    data = {"options": {"n": 8}}
+    return config(
+        folder,
+        strategy={"name": name},
+        sampler=sampler,
+        data=data,
+        training={"batch_size": 2, "lr": 0.001, **training},
+    )
+
+
+def trained(ctx: RunContext, run: Config) -> str:
+    """Train ``run`` on this rank: the error, or ``trained``."""
+    try:
+        train_rank(run, ctx, registry())
+    except ConfigError as error:
+        return str(error)
+    return "trained"
+
+
+def test_ranks_of_unequal_batch_counts_are_refused_where_every_pass_gathers(
+    tmp_path: Path,
+) -> None:
+    """Under a strategy without local passes (fsdp), a rank with fewer micro-batches would
+    leave the others waiting in a gather, and under ``ddp`` a rank with fewer steps would
+    meet another collective than its step's all-reduce (it did, and trained on garbage):
+    every rank refuses the epoch in one line; with accumulation, ``ddp`` trains an epoch of
+    2 and 3 batches (one step each, the extra pass on its rank alone)."""
+    sharding = run_ranks(trained, 2, uneven_epoch(tmp_path / "a", "sharding"))
+    assert (
+        sharding
+        == [
+            "sampler.name: 'lopsided' gives the ranks from 2 to 3 batches in epoch 1; every rank "
+            "must take as many (under strategy 'sharding' each pass gathers parameters): use a "
+            "sampler that deals the ranks evenly (torch, tensor, multitask)"
+        ]
+        * 2
+    )
+    ddp = run_ranks(trained, 2, uneven_epoch(tmp_path / "b", "ddp"))
+    assert (
+        ddp
+        == [
+            "sampler.name: 'lopsided' gives the ranks from 2 to 3 optimizer steps in epoch 1; every "
+            "rank must take as many (every step all-reduces across the ranks): use a sampler that "
+            "deals the ranks evenly (torch, tensor, multitask)"
+        ]
+        * 2
+    )
+    accumulated = uneven_epoch(tmp_path / "c", "ddp", accumulation_steps=3)
+    assert run_ranks(trained, 2, accumulated) == ["trained"] * 2
 
 
 def test_an_unknown_strategy_names_those_installed(tmp_path: Path) -> None:

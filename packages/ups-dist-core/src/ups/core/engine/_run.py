@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from ..checkpoint._best import KEY as KEEP_BEST
 from ..checkpoint._best import STAGE, admit, keep_best
 from ..config._config import Config
+from ..config._errors import ConfigError
 from ..dist._collectives import all_max, decide
 from ..dist._context import RunContext
 from ..dist._desync import check_in_sync
@@ -415,6 +416,7 @@ class Run:
                 self.parts.sampler.set_epoch(self.position.epoch)
             batches = self._enter_epoch()
             left = batches.length
+            self._check_as_many(left)
             while left and self._more_steps():
                 group = min(self.schedule.accumulation_steps, left)
                 left -= group
@@ -435,6 +437,30 @@ class Run:
                     return
             if not left:
                 batches.end()  # a sampler longer than its len() is told of
+
+    def _check_as_many(self, batches: int) -> None:
+        """Refuse an epoch whose ranks would take other numbers of optimizer steps (every step
+        all-reduces across the ranks) or, under a strategy whose every pass gathers from every
+        rank (``fsdp``), of ``batches``: a rank with fewer would stop while the others wait
+        in a collective, or meet another one. Two all-reduces of a number, once an epoch.
+
+        :raises ConfigError: on every rank, naming ``sampler.name``.
+        """
+        if not self.ctx.distributed:
+            return
+        count, what = math.ceil(batches / self.schedule.accumulation_steps), "optimizer steps"
+        why = "every step all-reduces across the ranks"
+        if not self.parts.local_passes:
+            count, what = batches, "batches"
+            why = f"under strategy {self.config.strategy.name!r} each pass gathers parameters"
+        most, least = all_max(self.ctx, count), -all_max(self.ctx, -count)
+        if most != least:
+            raise ConfigError(
+                "sampler.name",
+                f"{self.config.sampler.name!r} gives the ranks from {least} to {most} {what} in "
+                f"epoch {self.position.epoch}; every rank must take as many ({why}): use a "
+                "sampler that deals the ranks evenly (torch, tensor, multitask)",
+            )
 
     def _enter_epoch(self) -> Epoch:
         """Start the next epoch's pass over the loader; after a resume mid-epoch, go on where
