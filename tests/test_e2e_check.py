@@ -77,6 +77,35 @@ def test_a_lossy_comm_hook_is_reported_and_not_failed_on(
     ) in lines
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("example", EXAMPLES)
+@pytest.mark.parametrize("strategy", ["zero", "fsdp"])
+def test_the_examples_are_exact_under_a_sharded_strategy_with_accumulation_and_clipping(
+    example: str, strategy: str, tmp_path: Path
+) -> None:
+    """``zero`` and ``fsdp`` on 2 ranks = ``ddp`` on 2 ranks = 1 process, to 1e-5 in fp32,
+    each example's own model, step and data, 2 micro-batches a step, clipped."""
+    overrides = (f"strategy.name={strategy}", "training.accumulation_steps=2")
+    clipped = (*overrides, "training.grad_clip_norm=0.5")
+    args = [arg for override in clipped for arg in ("-o", override)]
+    run = run_ups(
+        "check",
+        str(ROOT / example),
+        "--nproc",
+        "2",
+        "--steps",
+        "3",
+        *args,
+        cwd=tmp_path,
+        timeout=400,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert cells(lines, "A")[3] == strategy and cells(lines, "A-ddp")[3] == "ddp"
+    for pair in ("A vs A-ddp", "A vs B", "A vs C", "B vs C"):
+        assert cells(lines, pair)[1] == "yes", run.stdout
+
+
 @pytest.mark.parametrize("strategy", ["zero", "fsdp"])
 def test_a_sharded_strategy_is_compared_with_ddp_on_the_same_ranks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], strategy: str

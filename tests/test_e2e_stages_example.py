@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from ups.core.testing import assert_bitwise_equal, read_checkpoint, run_ups
@@ -19,11 +20,15 @@ STAGES = (
 )
 
 
-def test_the_example_trains_in_two_stages(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_example_trains_in_two_stages(tmp_path: Path, strategy: str) -> None:
+    """Under ``fsdp`` too: the first stage's kept weights (full tensors) warm-start the
+    second's sharded model, and its EMA of the shards is kept whole."""
     trained = run_ups(
         *("train", str(ROOT / "examples" / "pde_multitask.yaml"), "--nproc", "2"),
         *("-o", f"run.output_dir={tmp_path}", "-o", "run.log_every=1", "-o", STAGES),
         *("-o", "eval.every_steps=1000", "-o", "eval.options.samples_per_task=4"),
+        *("-o", f"strategy.name={strategy}", "-o", "training.ema={decay: 0.5}"),
         cwd=tmp_path,
         timeout=300,
     )
@@ -38,6 +43,8 @@ def test_the_example_trains_in_two_stages(tmp_path: Path) -> None:
     assert state["stage"] == 1
     kept = torch.load(run_dir / "stages" / "second" / "model.pt", weights_only=True)
     assert_bitwise_equal(kept, dict(state["model"]))
+    ema = torch.load(run_dir / "stages" / "first" / "ema.pt", weights_only=True)
+    assert ema.keys() == kept.keys() and all(type(t) is torch.Tensor for t in ema.values())
     report = run_ups("report", str(run_dir))
     assert report.returncode == 0, report.stderr
     output = tmp_path / "model.pt"

@@ -6,17 +6,30 @@ bitwise equal to a run never stopped; a 2-rank checkpoint resumes on 1 rank and 
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
-from test_e2e_faults import MODEL, SCHEDULE, STATE, rank_log, run_dir, ups_train
+from test_e2e_faults import (
+    EXIT_PREEMPTED,
+    MODEL,
+    SCHEDULE,
+    STATE,
+    rank_log,
+    run_dir,
+    stepping,
+    ups_train,
+)
 from test_e2e_resume import project
 
 from ups.core import RunContext, load_model, load_plugins
-from ups.core.testing import assert_bitwise_equal, events, run_ups
+from ups.core.testing import assert_bitwise_equal, events, run_ups, tiny_project, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 17
@@ -84,6 +97,40 @@ def test_kill_9_of_an_fsdp_rank_mid_epoch_resumes_its_shards_and_ends_bitwise_eq
     found = final(config)
     for key in STATE:
         assert_bitwise_equal(found[key], unstopped[key], key)
+
+
+@pytest.mark.slow
+def test_a_sigterm_under_fsdp_saves_the_shards_at_the_next_step_and_the_resumed_run_ends_equal(
+    tmp_path: Path, unstopped: dict[str, Any]
+) -> None:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    config = sharded_project(
+        tmp_path, "fsdp", model={"options": {"pid_dir": str(pids), "delay": 0.2}}
+    )
+    env = {**os.environ, "UPS_LOG_FORMAT": "json"}
+    command = [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as process:
+        wait_for(stepping(config), 60, "a training report", process=process)
+        os.kill(max(int(p.name) for p in pids.iterdir()), signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    assert process.returncode == EXIT_PREEMPTED, err[-3000:]
+    stopped = events(rank_log(config), "preempted: saving and stopping")[0]["step"]
+    assert 0 < stopped < STEPS and final(config)["step"] == stopped
+    done = ups_train(config, "-o", "checkpoint.resume=latest")
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = final(config)
+    for key in STATE:
+        assert_bitwise_equal(found[key], unstopped[key], key)
+
+
+def test_ups_tune_tries_fsdp_batches_on_every_rank_together(tmp_path: Path) -> None:
+    config = tiny_project(tmp_path, strategy={"name": "fsdp"})
+    tuned = run_ups("tune", str(config), "--nproc", "2", "--limit", "12", timeout=180)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert tuned.stdout.strip() == "training.batch_size: 12 fits on every rank (2 processes)"
 
 
 @pytest.mark.slow
