@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES = {
     "test_gpu_compile",
     "test_gpu_examples",
+    "test_gpu_fsdp",
     "test_gpu_loader",
     "test_gpu_nccl",
     "test_gpu_oom",
