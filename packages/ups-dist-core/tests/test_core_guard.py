@@ -87,9 +87,9 @@ def test_a_norm_that_is_not_finite_or_spikes_is_bad_and_fp16_leaves_overflows_to
     assert scaled.check(math.inf) is None and scaled.overflows == 1 and scaled.accepted == 0
 
 
-def test_a_guard_that_does_not_work_yet_is_refused_in_one_line(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"training\.guard\.action.*'rollback'"):
-        load_config(project(tmp_path, {"action": "rollback"}))
+def test_a_bad_guard_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"training\.guard\.action.*'undo'"):
+        load_config(project(tmp_path, {"action": "undo"}))
     with pytest.raises(ConfigError, match=r"training\.guard\.spike"):
         load_config(project(tmp_path, {"spike": 1}))
 

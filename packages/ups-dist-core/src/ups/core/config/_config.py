@@ -239,10 +239,13 @@ class GuardConfig:
     norm (after the gradients are averaged over the ranks, the same number on every rank) is
     not finite, or spikes over ``spike`` times its running average."""
 
-    action: Literal["skip", "stop"] = "skip"
+    action: Literal["skip", "rollback", "stop"] = "skip"
     """``skip``: every rank drops the step (no update, the scheduler and the schedule as if it
-    did not happen), counted as ``guard_skipped``; ``stop``: every rank stops with one line
-    naming the step, the ranks whose loss was not finite, the tasks and the batches."""
+    did not happen), counted as ``guard_skipped``; ``rollback``: every rank restores its
+    snapshot (``snapshot_every``) and replays from there, passing over the offending step's
+    batches (quarantined in ``guard.jsonl``), counted as ``guard_rollbacks``; ``stop``: every
+    rank stops with one line naming the step, the ranks whose loss was not finite, the tasks
+    and the batches."""
     spike: float | None = attrs.field(default=None, validator=above(1))
     """A norm over this many times the running average of the accepted steps' norms is a
     spike (after ``warmup_steps`` of them); ``null``: only a norm that is not finite is."""
@@ -252,7 +255,24 @@ class GuardConfig:
     """With ``skip``: stop as ``stop`` does once more than this many steps were skipped within
     the last ``window`` steps attempted (``0``: the first bad step stops)."""
     window: int = attrs.field(default=100, validator=at_least(1))
-    """The steps attempted (taken or skipped) over which ``max_skips`` counts."""
+    """The steps attempted (taken or skipped) over which ``max_skips`` and ``max_rollbacks``
+    count."""
+    snapshot_every: int = attrs.field(default=50, validator=at_least(1))
+    """With ``rollback``: each rank copies its training state in memory every this many
+    optimizer steps (and when an epoch is entered with none held)."""
+    max_rollbacks: int = attrs.field(default=3, validator=at_least(0))
+    """With ``rollback``: stop as ``stop`` does once more than this many rollbacks fall within
+    the last ``window`` steps attempted (``0``: the first bad step stops)."""
+    lr_factor: float = attrs.field(default=1.0, validator=above(0))
+    """Multiply the LR by this for the ``lr_steps`` optimizer steps after each quarantined step
+    passed over (by a rollback's replay, or from ``quarantine``), on top of the schedule's
+    multiplier."""
+    lr_steps: int = attrs.field(default=100, validator=at_least(1))
+    """How many optimizer steps ``lr_factor`` lasts."""
+    quarantine: str | None = None
+    """The ``guard.jsonl`` of an earlier run (a path): every rank passes over the global steps
+    it names, each as a whole (its batches on every rank), every other batch keeping its seed
+    and place."""
 
 
 @attrs.frozen(kw_only=True)

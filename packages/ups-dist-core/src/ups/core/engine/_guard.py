@@ -11,20 +11,26 @@ norms, once ``warmup_steps`` were accepted. Under fp16 the gradient scaler skips
 gradients are not finite already: the guard leaves them to it and counts them.
 
 Only once a step is bad do the ranks tell each other more (one ``all_gather_object``): whose
-loss was not finite, and the tasks of their batches, for the message a stop raises.
+loss was not finite, and the tasks of their batches, for the message a stop raises; for a
+rollback, their batches' sample indices too, for the quarantine (``guard.jsonl``, which a later
+run's ``quarantine`` reads: :class:`Quarantine`).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
 import torch.distributed as dist
 
 from ..config._config import GuardConfig
+from ..config._errors import ConfigError
 from ..dist._context import RunContext
 from ._step import StepError
 
@@ -52,6 +58,49 @@ class GuardStoppedError(StepError):
         )
 
 
+class RollingBack(Exception):  # noqa: N818 (a signal to the loop, not an error)
+    """The guard rolls the run back (``training.guard.action: rollback``): raised on every rank
+    by :meth:`Guard.act`, for the loop to restore its snapshot."""
+
+    def __init__(self, step: int, reason: str, mine: tuple[bool, list[int]]) -> None:
+        super().__init__(f"step {step}: {reason}")
+        self.step, self.reason, self.mine = step, reason, mine
+        """``mine``: whether this rank's losses were finite, and its batches' task ids."""
+
+
+FILE = "guard.jsonl"
+"""The quarantine's file in the run folder: one offending global step a line."""
+
+
+class Quarantine:
+    """The global steps every rank passes over, by ``(epoch, first batch)`` (both counted from
+    1, the batch in each rank's share of the epoch): a rollback's, and those of the
+    ``guard.jsonl`` files read."""
+
+    def __init__(self) -> None:
+        self.held: set[tuple[int, int]] = set()
+
+    def read(self, path: Path, key: str) -> None:
+        """Hold the steps that the ``guard.jsonl`` at ``path`` names (a missing file: none).
+
+        :raises ConfigError: naming ``key`` for a line that is not a step of a ``guard.jsonl``.
+        """
+        if not path.is_file():
+            return
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                record = json.loads(line)
+                self.held.add((int(record["epoch"]), int(record["batches"][0])))
+            except (ValueError, KeyError, TypeError, IndexError):
+                raise ConfigError(
+                    key, f"line {number} of {path} is not a step of a guard.jsonl"
+                ) from None
+
+    def holds(self, epoch: int, first: int) -> bool:
+        """Whether the step whose first batch is ``first`` of epoch ``epoch`` is quarantined."""
+        return (epoch, first) in self.held
+
+
 class Guard:
     """One rank's guard: :meth:`check` each step's global gradient norm, :meth:`act` on a bad
     one. ``tasks``: ``data.tasks``, to name task ids; ``scaled``: fp16's gradient scaler is on."""
@@ -69,7 +118,19 @@ class Guard:
         self.average = 0.0
         """The running average of the accepted steps' norms."""
         self._skips: collections.deque[int] = collections.deque()
-        """The attempts skipped within the last ``window``."""
+        """The attempts skipped (or rolled back from) within the last ``window``."""
+        self.rollbacks = 0
+        """Rollbacks taken (reported as ``guard_rollbacks``)."""
+        self.cut_left = 0
+        """Optimizer steps the LR is still cut by ``lr_factor`` for."""
+
+    def state(self) -> tuple[float, int, int]:
+        """What a snapshot keeps of the guard: the running average, its steps, the LR cut's."""
+        return self.average, self.accepted, self.cut_left
+
+    def load_state(self, state: tuple[float, int, int]) -> None:
+        """Go back to what :meth:`state` gave."""
+        self.average, self.accepted, self.cut_left = state
 
     def check(self, norm: float) -> str | None:
         """Why a step whose global gradient norm is ``norm`` is bad, or ``None`` (its norm then
@@ -101,48 +162,100 @@ class Guard:
         log a skip (return), or raise.
 
         :param batches: each micro-batch's losses and task ids on this rank.
-        :raises GuardStoppedError: with ``stop``, or past the budget of skips: naming the
-            step, the ranks whose loss was not finite and the tasks (gathered from every rank:
-            a collective, every rank raising the same).
+        :raises RollingBack: with ``rollback``, within its budget.
+        :raises GuardStoppedError: with ``stop``, or past the budget of skips or rollbacks:
+            naming the step, the ranks whose loss was not finite and the tasks (gathered from
+            every rank: a collective, every rank raising the same).
         """
         c = self.config
         cause = "training.guard.action: stop"
-        if c.action == "skip":
+        mine = _own(batches)
+        if c.action != "stop":
             skips = self._skips
             skips.append(attempt)
             while skips[0] <= attempt - c.window:
                 skips.popleft()
-            if len(skips) <= c.max_skips:
+            budget, name = (
+                (c.max_skips, "max_skips")
+                if c.action == "skip"
+                else (c.max_rollbacks, "max_rollbacks")
+            )
+            if len(skips) <= budget and c.action == "rollback":
+                raise RollingBack(step, reason, mine)
+            if len(skips) <= budget:
                 self.skipped += 1
                 if self.ctx.is_main:
                     log.warning("guard: every rank skips the step", step=step, reason=reason)
                 return
-            cause = (
-                f"{len(skips)} bad steps in the last {c.window}, over "
-                f"training.guard.max_skips: {c.max_skips}"
-            )
-        raise GuardStoppedError(f"step {step}: {reason} ({cause}); {self._gathered(batches)}")
+            cause = f"{len(skips)} bad steps in the last {c.window}, over training.guard.{name}: {budget}"
+        raise GuardStoppedError(
+            f"step {step}: {reason} ({cause}); {self._said(self._gather(mine))}"
+        )
 
-    def _gathered(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> str:
-        """Whose loss was not finite, and the tasks of the step's batches, over every rank."""
-        finite = all(bool(torch.isfinite(loss).all()) for loss, _ in batches)
-        ids = {
-            int(i)
-            for _, task_ids in batches
-            if task_ids is not None
-            for i in torch.unique(task_ids)
+    def quarantine(
+        self, rolling: RollingBack, epoch: int, first: int, indices: list[list[int]], folder: Path
+    ) -> dict[str, Any]:
+        """Record the step ``rolling`` names, its batches ``first`` on of epoch ``epoch`` and
+        this rank's ``indices`` of them, gathered over every rank (a collective): appended to
+        ``folder/guard.jsonl`` by rank 0 and logged; the record."""
+        finite, ids = rolling.mine
+        gathered = self._gather((finite, ids, [i for batch in indices for i in batch]))
+        record = {
+            "step": rolling.step,
+            "epoch": epoch,
+            "batches": [first, first + len(indices) - 1],
+            "reason": rolling.reason,
+            "ranks": [
+                {
+                    "rank": rank,
+                    "finite": ok,
+                    "tasks": [self._task(i) for i in tasks],
+                    "indices": drawn,
+                }
+                for rank, (ok, tasks, drawn) in enumerate(gathered)
+            ],
         }
-        mine = (finite, ids)
-        gathered: list[tuple[bool, set[int]]] = [mine]
-        if self.ctx.distributed:
-            gathered = [mine] * self.ctx.world_size
-            dist.all_gather_object(gathered, mine)
-        ranks = [str(rank) for rank, (ok, _) in enumerate(gathered) if not ok]
+        self.rollbacks += 1
+        if self.ctx.is_main:
+            with (folder / FILE).open("a") as file:
+                file.write(json.dumps(record) + "\n")
+            log.warning(
+                "guard: every rank rolls back, the step quarantined",
+                step=rolling.step,
+                reason=rolling.reason,
+                epoch=epoch,
+                batches=record["batches"],
+                said=self._said(gathered),
+            )
+        return record
+
+    def _gather(self, mine: Any) -> list[Any]:
+        """``mine`` from every rank, in rank order (one ``all_gather_object``)."""
+        if not self.ctx.distributed:
+            return [mine]
+        gathered = [mine] * self.ctx.world_size
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+    def _task(self, task_id: int) -> str:
+        return self.tasks[task_id] if 0 <= task_id < len(self.tasks) else str(task_id)
+
+    def _said(self, gathered: Sequence[tuple[Any, ...]]) -> str:
+        """Whose loss was not finite, and the tasks of the step's batches, over every rank."""
+        ranks = [str(rank) for rank, (ok, *_) in enumerate(gathered) if not ok]
         said = "the loss was finite on every rank"
         if ranks:
             said = f"the loss was not finite on rank {', '.join(ranks)}"
-        tasks = sorted(set().union(*(ids for _, ids in gathered)))
+        tasks = sorted(set().union(*(ids for _, ids, *_ in gathered)))
         if tasks:
-            named = (self.tasks[i] if 0 <= i < len(self.tasks) else str(i) for i in tasks)
-            said += f"; tasks {', '.join(named)}"
+            said += f"; tasks {', '.join(map(self._task, tasks))}"
         return said
+
+
+def _own(batches: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[bool, list[int]]:
+    """Whether this rank's losses of a step were all finite, and its batches' task ids."""
+    finite = all(bool(torch.isfinite(loss).all()) for loss, _ in batches)
+    ids = {
+        int(i) for _, task_ids in batches if task_ids is not None for i in torch.unique(task_ids)
+    }
+    return finite, sorted(ids)

@@ -148,7 +148,9 @@ class StepBatches(Sampler[list[int]]):
         self.stateful = callable(getattr(sampler, "state_dict", None))
         self.overran = False
         """Whether a pass found the sampler yielding more than its ``len()`` (:meth:`Epoch.end`)."""
-        self._states: collections.deque[dict[str, Any]] = collections.deque()
+        self._states: collections.deque[tuple[dict[str, Any], list[int]]] = collections.deque()
+        self.indices: list[int] = []
+        """The indices of the batch :meth:`consumed` last handed out."""
 
     def start(self, epoch: int, *, first: int = 0, skip: int = 0) -> None:
         """Make the next iteration epoch ``epoch`` (counted from 0), its batches numbered from
@@ -183,8 +185,7 @@ class StepBatches(Sampler[list[int]]):
                 batch.places = self._places(
                     drawn - len(batch), number * self.batch_size, len(batch)
                 )
-            if self.stateful:
-                self._states.append(self.sampler.state_dict())
+            self._states.append((self.sampler.state_dict() if self.stateful else {}, batch))
             yield batch
 
     def _places(self, drawn: int, before: int, count: int) -> Sequence[int]:
@@ -200,9 +201,11 @@ class StepBatches(Sampler[list[int]]):
         return range(first, first + count * step, step)
 
     def consumed(self) -> dict[str, Any]:
-        """The sampler's state after the oldest batch drawn and not yet consumed; call it once
-        for each batch a step takes. ``{}`` for a sampler without a state."""
-        return self._states.popleft() if self.stateful else {}
+        """The sampler's state after the oldest batch drawn and not yet consumed (``{}`` for a
+        sampler without a state), that batch's indices kept as :attr:`indices`; call it once
+        for each batch a step takes."""
+        state, self.indices = self._states.popleft()
+        return state
 
 
 class SeededData(Dataset[Any]):
@@ -291,7 +294,7 @@ class Epoch:
     shrinks as the iteration goes) gives its whole pass, however far workers read ahead.
     """
 
-    def __init__(self, loader: DataLoader[Any]) -> None:
+    def __init__(self, loader: DataLoader[Any], keep: int = 1) -> None:
         assert isinstance(loader.batch_sampler, StepBatches)
         self._batches = loader.batch_sampler
         self._batches.tell_batch_size()  # a sampler's length may depend on it
@@ -301,6 +304,8 @@ class Epoch:
         self.taken = self._batches.first + self._batches.skip
         """Batches of the epoch taken, counting those before a resume."""
         self.sampler_state: dict[str, Any] = {}
+        self.recent: collections.deque[list[int]] = collections.deque(maxlen=keep)
+        """The indices of the last ``keep`` batches yielded (a step's micro-batches)."""
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -308,8 +313,13 @@ class Epoch:
     def __next__(self) -> Any:
         batch = next(self._iterator)
         self.sampler_state = self._batches.consumed()
+        self.recent.append(self._batches.indices)
         self.taken += 1
         return batch
+
+    def pass_over(self, count: int) -> None:
+        """Take the next ``count`` batches without training on them (a quarantined step's)."""
+        collections.deque(itertools.islice(self, count), maxlen=0)
 
     def end(self) -> bool:
         """Once the :attr:`length` batches are taken, whether the sampler yields more than its

@@ -196,7 +196,7 @@ class TrainingState:
         state_dict = getattr(self.comm_state, "state_dict", None)
         own = RankSaved(
             rng=rng_state(self.ctx.device),
-            plugins=self._plugin_states(),
+            plugins=self.plugin_states(),
             comm_hook=state_dict() if state_dict is not None else None,
             comm_hook_name=self.config.comm_hook.name if state_dict is not None else None,
         )
@@ -243,12 +243,12 @@ class TrainingState:
         loaded = self.checkpointer.load_latest()
         if loaded is None:
             log.info("no checkpoint to resume from: starting afresh")
-            self._supersede_after(0)
+            self.supersede_after(0)
             return None
         state = Saved.from_dict(loaded.state, loaded.location)
         if state.stage < self.stage:  # the stage before's last: this stage starts after it
             log.info(f"stage {self.stage} starts after the checkpoint of step {loaded.step}")
-            self._supersede_after(loaded.step)
+            self.supersede_after(loaded.step)
             return None
         if state.stage > self.stage:
             raise UsageError(
@@ -256,7 +256,7 @@ class TrainingState:
                 f"{self.stage}, whose weights are not kept: start afresh (checkpoint.resume: none)"
             )
         self._check_identity(loaded.step, state.identity)
-        self._supersede_after(loaded.step)
+        self.supersede_after(loaded.step)
         load_model_state(
             self.model,
             state.model,
@@ -313,7 +313,7 @@ class TrainingState:
             log.warning("the checkpoint has no EMA of the weights: it starts from the resumed ones")
         self.ema.reset()
 
-    def _supersede_after(self, step: int) -> None:
+    def supersede_after(self, step: int) -> None:
         """On rank 0, drop the reports after ``step`` from ``metrics.jsonl``
         (:func:`~ups.core.engine._rundir.keep_until`)."""
         if self.ctx.is_main:
@@ -321,7 +321,7 @@ class TrainingState:
             if dropped:
                 log.info(f"metrics.jsonl: {dropped} lines after step {step} dropped", step=step)
 
-    def _plugin_states(self) -> dict[str, Any]:
+    def plugin_states(self) -> dict[str, Any]:
         """Every plugin's :func:`~ups.core.plugin.hookspecs.ups_checkpoint_state`, by key."""
         states: dict[str, Any] = {}
         for returned in self.hook.ups_checkpoint_state(ctx=self.ctx):

@@ -16,6 +16,7 @@ import json
 import math
 import signal
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -44,7 +45,8 @@ from ..plugin._records import TrainResult
 from ._ema import EMA, evaluate_beside
 from ._evaluation import evaluate, val_named
 from ._faults import FaultInjector
-from ._guard import Guard, GuardStoppedError
+from ._guard import FILE as GUARD_FILE
+from ._guard import Guard, GuardStoppedError, Quarantine, RollingBack
 from ._loader import Epoch, StepBatches
 from ._model import warm_start
 from ._optim import MONITOR, is_plateau, step_on_plateau
@@ -52,6 +54,7 @@ from ._parts import Parts, build_parts, run_loader
 from ._resume import InStage, Position, Resumed, TrainingState
 from ._rundir import RunFiles, own_run_dir
 from ._schedule import Schedule, agreed_value, apply_lr_multiplier
+from ._snapshot import Snapshot, restore, take
 from ._stages import best_model, done_at, keep, kept_weights, runnable, together
 from ._step import has_metrics
 from ._update import Forward, Stepper
@@ -216,8 +219,28 @@ class Run:
         self.keep_best = keep_best(config.checkpoint.options)
         """``checkpoint.options.keep_best``, or ``None``."""
         self._resumed: Resumed | None = None
+        self.snapshot: Snapshot | None = None
+        """The guard's latest in-memory snapshot (``training.guard.action: rollback``)."""
+        self.quarantine = self._quarantine()
         signals = (signal.Signals[name] for name in config.checkpoint.preempt_signals)
         self.preemption = Preemption(ctx, signals)
+
+    def _quarantine(self) -> Quarantine:
+        """The global steps to pass over: those of ``training.guard.quarantine``'s file.
+
+        :raises ConfigError: naming ``training.guard.action`` for a rollback under ``zero``,
+            whose optimizer state is gathered to save (no copy of this rank's alone).
+        """
+        quarantine, guard = Quarantine(), self.config.training.guard
+        if guard is not None and guard.action == "rollback" and self.config.strategy.name == "zero":
+            raise ConfigError(
+                "training.guard.action",
+                "rollback is not available under strategy 'zero' (its optimizer state is "
+                "sharded and gathered to save): use skip or stop, or strategy ddp or fsdp",
+            )
+        if guard is not None and guard.quarantine is not None:
+            quarantine.read(Path(guard.quarantine), "training.guard.quarantine")
+        return quarantine
 
     def _reporter(self, steps: Stepping) -> Reporter:
         """What reports the run's metrics, every ``run.log_every`` steps and at evaluations."""
@@ -336,6 +359,8 @@ class Run:
         generators unless the loop restores them where it re-enters the epoch."""
         if self.restarted and self.ctx.is_main:
             log.info("restarted by the launcher: resuming", restarts=self.restarted)
+        if self.stepper.guard is not None:  # the steps this run quarantined before
+            self.quarantine.read(self.config.run_dir / GUARD_FILE, "training.guard")
         self._resumed = self.state.resume()
         if self._resumed is not None:
             self.position = self._resumed.position
@@ -417,14 +442,26 @@ class Run:
             batches = self._enter_epoch()
             left = batches.length
             self._check_as_many(left)
+            if self.snapshot is None and self._rolls_back:
+                self._take_snapshot()
+            rolled = False
             while left and self._more_steps():
                 group = min(self.schedule.accumulation_steps, left)
                 left -= group
+                if self.quarantine.holds(self.position.epoch, batches.taken + 1):
+                    batches.pass_over(group)
+                    self._at(batches, left, taken=False)
+                    self._cut_lr()
+                    continue
                 try:
                     taken = self.stepper.step(self.step + 1, batches, group)
                 except GuardStoppedError as stopped:  # name the step's batches
                     epoch = self.position.epoch
                     raise stopped.at(epoch, batches.taken - group + 1, batches.taken) from None
+                except RollingBack as rolling:
+                    self._roll_back(rolling, batches, group)
+                    rolled = True
+                    break
                 self._at(batches, left, taken=taken is not None)
                 if taken is None:
                     continue  # every rank skipped the batch
@@ -435,8 +472,59 @@ class Run:
                     counted.count(self.reporter.window, self.metrics)
                 if self._after_step():
                     return
-            if not left:
+            if not left and not rolled:
                 batches.end()  # a sampler longer than its len() is told of
+
+    @property
+    def _rolls_back(self) -> bool:
+        guard = self.config.training.guard
+        return guard is not None and guard.action == "rollback"
+
+    def _take_snapshot(self) -> None:
+        """Copy this rank's training state in memory (:mod:`~ups.core.engine._snapshot`)."""
+        guard = self.stepper.guard
+        assert guard is not None
+        self.snapshot = take(self.state, self.position, self.reporter.window, guard.state())
+
+    def _roll_back(self, rolling: RollingBack, batches: Epoch, group: int) -> None:
+        """Every rank together: quarantine the step ``rolling`` names (its ``group`` batches,
+        the last taken of ``batches``), restore the snapshot and go on from its position, as
+        a resume does; the reports after it superseded in ``metrics.jsonl``."""
+        guard, snapshot = self.stepper.guard, self.snapshot
+        assert guard is not None and snapshot is not None
+        epoch, first = self.position.epoch, batches.taken - group + 1
+        indices = list(batches.recent)[-group:]
+        guard.quarantine(rolling, epoch, first, indices, self.config.run_dir)
+        self.quarantine.held.add((epoch, first))
+        reporter, every = self.reporter, self.config.run.log_every
+        reporter.finish(self.step)
+        at = snapshot.position.step
+        superseded = (self.own_step // every) - ((at - self.start) // every)
+        del reporter.reports[len(reporter.reports) - superseded :]
+        reporter.files.close()  # metrics.jsonl rewritten below, opened again at its next line
+        self.state.supersede_after(at)
+        reporter.restart_clock(self.start + (at - self.start) // every * every)
+        resumed = restore(self.state, snapshot, reporter.window)
+        guard.load_state(snapshot.guard)
+        self.position, self._resumed = resumed.position, resumed
+        if not resumed.position.epoch_left:
+            set_rng_state(resumed.rng, self.ctx.device)
+
+    def _cut_lr(self) -> None:
+        """A quarantined step was passed over: cut the LR by ``training.guard.lr_factor`` for
+        the next ``lr_steps`` optimizer steps (on top of the schedule's multiplier)."""
+        guard = self.stepper.guard
+        if guard is None or guard.config.lr_factor == 1:
+            return
+        guard.cut_left = guard.config.lr_steps
+        multiplier = self.schedule.lr_multiplier * guard.config.lr_factor
+        apply_lr_multiplier(self.parts.optimizer, multiplier, self.parts.scheduler)
+
+    @property
+    def _lr_cut(self) -> float:
+        """The guard's LR cut in effect (1 when none)."""
+        guard = self.stepper.guard
+        return guard.config.lr_factor if guard is not None and guard.cut_left else 1.0
 
     def _check_as_many(self, batches: int) -> None:
         """Refuse an epoch whose ranks would take other numbers of optimizer steps (every step
@@ -475,7 +563,7 @@ class Run:
             batches.start(epoch, skip=taken)
         else:
             batches.start(epoch, first=taken)
-        passing = Epoch(self.loader)
+        passing = Epoch(self.loader, keep=self.schedule.accumulation_steps)
         if resumed is not None and resumed.position.epoch_left:
             set_rng_state(resumed.rng, self.ctx.device)
         self.position = attrs.evolve(
@@ -501,6 +589,12 @@ class Run:
         ctx, reporter = self.ctx, self.reporter
         reporter.step_taken(self.step)
         own = self.own_step
+        guard = self.stepper.guard
+        if guard is not None and guard.cut_left:
+            guard.cut_left -= 1
+            if not guard.cut_left:  # the cut is over
+                multiplier = self.schedule.lr_multiplier
+                apply_lr_multiplier(self.parts.optimizer, multiplier, self.parts.scheduler)
         if own % self.config.run.log_every == 0:
             reporter.start(self.step, self.position.epoch, self._extra)
         if self.profiler is not None:
@@ -515,11 +609,16 @@ class Run:
             ctx, own, None if evaluated is None else evaluated["loss"], metrics=values
         )
         if decision is not None and decision.lr_multiplier is not None:
-            apply_lr_multiplier(self.parts.optimizer, decision.lr_multiplier, self.parts.scheduler)
+            multiplier = decision.lr_multiplier * self._lr_cut
+            apply_lr_multiplier(self.parts.optimizer, multiplier, self.parts.scheduler)
         best = self._admit(values)
         every = self.config.checkpoint.every_steps
-        if (every and own % every == 0) or (decision and decision.save) or best:
+        saving = (every and own % every == 0) or (decision and decision.save) or best
+        if saving:
             self._checkpoint(best)
+        rolling = self.config.training.guard
+        if self._rolls_back and rolling and (saving or own % rolling.snapshot_every == 0):
+            self._take_snapshot()  # at each save too: a replay saves no step saved before
         check = self.config.distributed.desync_check_every
         if check and own % check == 0:
             check_in_sync(ctx, self.config.digest(), self.step, self._compared)
@@ -538,6 +637,8 @@ class Run:
         guard = self.stepper.guard
         if guard is not None:
             extra["guard_skipped"] = guard.skipped
+            if guard.config.action == "rollback":
+                extra["guard_rollbacks"] = guard.rollbacks
             if guard.scaled:
                 extra["scaler_skipped"] = guard.overflows
         extra |= self.parts.comm.metrics(steps)
