@@ -315,6 +315,7 @@ def test_reports_a_real_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     families = ("loss", "max_err", "mae")  # in the order metrics.jsonl holds them
     expected = [f"{kind} {family}" for kind in ("Training", "Evaluation") for family in families]
     expected += ["Throughput"] * throughput
+    expected += ["Step time outside communication"] * any(r["kind"] == "phases" for r in records)
     assert titles(figure) == expected
     assert ("throughput" in table) == throughput
 

@@ -59,6 +59,11 @@ class RunConfig:
     """Trace this many steps after warm-up with ``torch.profiler``, per rank, then measure
     the communication profile; both go to the run's ``profile/`` folder
     (``ups train --profile STEPS``)."""
+    straggler_threshold: float | None = attrs.field(default=0.2, validator=above(0))
+    """Each report names the straggler: the rank whose time per step outside communication
+    (waiting for data, forward, optimizer) exceeds the ranks' median by more than this
+    fraction of it at two reports in a row (a ``straggler`` warning, a ``phases`` line in
+    ``metrics.jsonl``, rows in ``ups report``); ``null``: steps not timed."""
 
 
 @attrs.frozen(kw_only=True)

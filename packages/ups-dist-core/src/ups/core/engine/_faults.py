@@ -19,7 +19,10 @@ first forward pass (a tensor, or the tensors of a tuple, list or dict of them), 
 guard (``training.guard``) to catch: ``nan`` multiplies it by NaN (the rank's loss is not
 finite), ``inf`` leaves it as it is but makes the gradient flowing back into it infinite (the
 loss finite, the gradients not), ``spike`` multiplies it by ``1e4`` (the gradient norm spikes).
-A fault that fires logs ``fault injected`` (its kind and step) first.
+``slow`` makes the rank a straggler: from step ``STEP`` on (its first step listed), it
+sleeps :data:`SLOW_S` in the first forward pass of every step, for the straggler report
+(``run.straggler_threshold``) to name. A fault that fires logs ``fault injected`` (its kind
+and step) first (``slow``: once, at its first step).
 
 Faults fire in the workers' first start only: a job its launcher restarted
 (:attr:`~ups.core.dist._context.RunContext.restart_count` above 0) runs without them. This is a testing
@@ -45,12 +48,16 @@ from ..config._errors import UsageError
 log = structlog.get_logger()
 
 ENV = "UPS_FAULTS"
-Kind = Literal["oom", "error", "kill", "hang", "kill_backward", "kill_save", "nan", "inf", "spike"]
+Kind = Literal[
+    "oom", "error", "kill", "hang", "kill_backward", "kill_save", "nan", "inf", "spike", "slow"
+]
 KINDS: tuple[Kind, ...] = typing.get_args(Kind)
 CORRUPTING: frozenset[Kind] = frozenset({"nan", "inf", "spike"})
 """The faults that corrupt a forward pass's output (:meth:`FaultInjector.corrupt`)."""
 SPIKE = 1e4
 """What a ``spike`` fault multiplies the output by."""
+SLOW_S = 0.05
+"""How long a ``slow`` fault sleeps in each step's first forward pass."""
 
 
 @attrs.frozen
@@ -95,6 +102,10 @@ class FaultInjector:
         self._faults = [f for f in faults if f.rank == rank]
         self._fired: set[int] = set()
         self._corrupting: Kind | None = None
+        slow = [min(f.steps) for f in self._faults if f.kind == "slow"]
+        self._slow_from = min(slow) if slow else None
+        self._slowed = 0
+        """The last step a ``slow`` fault slept in."""
 
     def __bool__(self) -> bool:
         """Whether any fault is meant for this rank."""
@@ -103,11 +114,17 @@ class FaultInjector:
     def check(self, step: int) -> None:
         """Fire the fault meant for this rank's ``step``-th attempted step (raise, SIGKILL this
         process, sleep forever, have the step's backward pass SIGKILL it, or the forward pass's
-        output corrupted by :meth:`corrupt`), the first time it is called for that step."""
+        output corrupted by :meth:`corrupt`), the first time it is called for that step; with
+        a ``slow`` fault from this step or before, sleep :data:`SLOW_S` first."""
+        if self._slow_from is not None and step >= self._slow_from and step != self._slowed:
+            if not self._slowed:
+                log.warning("fault injected", kind="slow", step=step)
+            self._slowed = step
+            time.sleep(SLOW_S)
         if step in self._fired:
             return
         for fault in self._faults:
-            if step in fault.steps and fault.kind != "kill_save":
+            if step in fault.steps and fault.kind not in ("kill_save", "slow"):
                 self._fired.add(step)
                 log.warning("fault injected", kind=fault.kind, step=step)
                 where = f"injected by {ENV} on rank {self.rank} at step {step}"

@@ -37,6 +37,7 @@ from ..dist._rng import seed_all, set_rng_state
 from ..dist._watchdog import Watchdog
 from ..observe._logs import rank_log_file
 from ..observe._metrics import LossWindow
+from ..observe._phases import StepTimer
 from ..observe._profiling import StepProfiler, comm_profile, model_counts
 from ..observe._reporter import Reporter
 from ..observe._step_metrics import UserMetrics
@@ -135,12 +136,15 @@ class Stepping:
     stepper: Stepper
     window: LossWindow
     metrics: UserMetrics
+    timer: StepTimer | None
+    """Where the steps' time goes (``run.straggler_threshold``), or ``None``."""
 
 
 def stepping(config: Config, ctx: RunContext, parts: Parts, watchdog: Watchdog) -> Stepping:
     """The forward pass and the stepper over ``parts``, the loss window and the user's metrics
     they count into (the run's, and ``ups tune``'s trial steps)."""
     window = LossWindow(config.data.tasks, ctx.device)
+    timer = None if config.run.straggler_threshold is None else StepTimer(ctx.device)
     reduce = config.metrics.reduce if config.metrics is not None else {}
     metrics_key = "metrics.factory" if config.metrics and config.metrics.factory else None
     metrics = UserMetrics(
@@ -172,8 +176,9 @@ def stepping(config: Config, ctx: RunContext, parts: Parts, watchdog: Watchdog) 
         strategy=parts.strategy,
         local_passes=parts.local_passes,
         guard=run_guard(config, ctx),
+        timer=timer,
     )
-    return Stepping(forward, stepper, window, metrics)
+    return Stepping(forward, stepper, window, metrics, timer)
 
 
 class Run:
@@ -254,6 +259,7 @@ class Run:
             metrics=steps.metrics,
             flops_per_sample=flops_per_sample,
             tokens_per_sample=tokens_per_sample,
+            timer=steps.timer,
         )
 
     def _faults(self) -> FaultInjector:
@@ -287,6 +293,7 @@ class Run:
             faults=faults,
             ema=self.ema,
             stage=self.stage.index if self.stage is not None else 0,
+            guard=self.stepper.guard,
         )
 
     @property

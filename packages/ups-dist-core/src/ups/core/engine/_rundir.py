@@ -34,7 +34,7 @@ import os
 import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 import structlog
@@ -83,10 +83,14 @@ class RunFiles:
         return self.folder / "metrics.jsonl"
 
     def metrics(
-        self, kind: Literal["train", "eval", "best"], step: int, values: Mapping[str, float]
+        self,
+        kind: Literal["train", "eval", "best", "phases"],
+        step: int,
+        values: Mapping[str, Any],
     ) -> None:
         """Append one line of metrics (``best``: a new best checkpoint, saved at ``step``,
-        and keep-best's monitored value; NaN written as ``null``), in one write (a kill leaves
+        and keep-best's monitored value; ``phases``: each rank's time per phase of a step,
+        :mod:`~ups.core.observe._phases`; NaN written as ``null``), in one write (a kill leaves
         whole lines, but for the last), without Python's buffered file on top (a report's
         cost is the engine's, every ``run.log_every`` steps). The file is opened at the first
         line, after a resume has cut it (:func:`keep_until`), and stays open until

@@ -32,6 +32,9 @@ from ..dist._collectives import Agreement, Failure, RankFailedError, sum_later
 from ..dist._context import RunContext
 from ..dist._watchdog import BACKWARD, DONE, EVALUATING, FORWARD, FORWARD_DONE, STARTED, Watchdog
 from ..observe._metrics import LossWindow
+from ..observe._phases import BACKWARD as BACKWARD_PHASE
+from ..observe._phases import COLLECTIVES, DATA, OPTIMIZER, NoTimer, StepTimer
+from ..observe._phases import FORWARD as FORWARD_PHASE
 from ..observe._step_metrics import UserMetrics
 from ._batches import to_device
 from ._guard import Guard
@@ -370,9 +373,12 @@ class Stepper:
         strategy: Strategy,
         local_passes: bool = True,
         guard: Guard | None = None,
+        timer: StepTimer | None = None,
     ) -> None:
         self.ctx, self.training, self.model, self.ddp = ctx, training, model, ddp
         self.guard = guard
+        self.timer = timer or NoTimer()
+        """Where this rank's step time goes (:mod:`~ups.core.observe._phases`)."""
         self.strategy, self.local_passes = strategy, local_passes
         self.forward, self.optimizer, self.scheduler = forward, optimizer, scheduler
         self.watchdog = watchdog
@@ -413,6 +419,7 @@ class Stepper:
         self._number = number
         self.attempts += 1
         self.watchdog.mark(self.attempts, STARTED)
+        self.timer.enter(DATA)
         weights = Weights(
             self.ctx,
             group,
@@ -428,6 +435,7 @@ class Stepper:
                 not self._agreed(self._synced_forward, micro, last=True)
             ):
                 collections.deque(micro.batches, maxlen=0)  # read the rest: ranks stay in step
+                self.timer.stop()
                 return None
         except ConfigError as error:  # the step's or the data's: say at which step
             raise ConfigError(error.path, f"at step {number}: {error.problem}") from None
@@ -436,8 +444,11 @@ class Stepper:
         self.oom_in_a_row = 0
         self.watchdog.mark(self.attempts, BACKWARD)
         assert micro.last is not None
+        self.timer.enter(COLLECTIVES)  # the ranks' count, if summed apart, is waited for
         last = weights.last(micro.last, self.model.parameters())
+        self.timer.enter(BACKWARD_PHASE)
         self.scaler.scale(last).backward()  # type: ignore[no-untyped-call]
+        self.timer.enter(OPTIMIZER)
         weights.after(self.model.parameters())
         grad_norm = self._grad_norm()
         guard = self.guard
@@ -446,6 +457,7 @@ class Stepper:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler.is_enabled():  # unscaled, not stepped: its scale kept as it is
                 self.scaler.update(self.scaler.get_scale())
+            self.timer.stop()
             return None
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -453,6 +465,7 @@ class Stepper:
         if self.scheduler is not None and not is_plateau(self.scheduler):
             self.scheduler.step()  # a plateau scheduler steps after evaluations
         self.watchdog.mark(self.attempts, DONE)
+        self.timer.stop()
         return grad_norm, micro.taken
 
     def _grad_norm(self) -> float:
@@ -498,6 +511,7 @@ class Stepper:
         summing = (lambda: micro.weights.count) if last and micro.weights.carried else None
         with Agreement(self.ctx, self._skip, summing=summing) as agreed:
             work(micro)
+            self.timer.enter(COLLECTIVES)  # the agreement's all-reduce, as the block exits
         if agreed.total is not None:
             micro.weights.summed(agreed.total)
         return not agreed.failures
@@ -508,6 +522,7 @@ class Stepper:
         micro.drawn.extend(micro.batches)
         for index in range(len(micro.drawn) - 1):
             loss = micro.weights.local(self._pass(self.bare, micro, index))
+            self.timer.enter(BACKWARD_PHASE)
             self.strategy.backward_unsynced(self.scaler.scale(loss), self.model)
 
     def _synced_forward(self, micro: MicroBatches) -> None:
@@ -522,6 +537,7 @@ class Stepper:
         step's weights, and what it adds to the metrics. After the first, the others' samples
         are counted, so that this rank's count is known before the first backward (the first
         is counted on the device, after the move that names a batch it cannot move)."""
+        self.timer.enter(FORWARD_PHASE)
         batch = micro.drawn[index]
         loss, taken = self.forward(module, batch, micro.samples[index] if index else None)
         if not index:

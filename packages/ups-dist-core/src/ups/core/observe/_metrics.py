@@ -107,20 +107,27 @@ class LossWindow:
         self._held, self._held_means = [], []
         self._sums = state["sums"].to(self._sums.device, self._sums.dtype).clone()
 
-    def report(self, ctx: RunContext) -> PendingReport:
+    def report(self, ctx: RunContext, also: torch.Tensor | None = None) -> PendingReport:
         """Start aggregating the window over all ranks (an all-reduce, not waited for) and
-        start a new window. A collective: every rank calls it at the same step."""
+        start a new window. ``also``: more numbers to sum over the ranks in the same
+        all-reduce (float64, on the device; the same length on every rank), read back as
+        :attr:`PendingReport.also`. A collective: every rank calls it at the same step."""
         self._add_held()
         sums, self._sums = self._sums, torch.zeros_like(self._sums)
-        work = dist.all_reduce(sums, async_op=True) if ctx.distributed else None
-        return PendingReport(self.tasks, sums, work)
+        flat = sums.reshape(-1) if also is None else torch.cat([sums.reshape(-1), also])
+        work = dist.all_reduce(flat, async_op=True) if ctx.distributed else None
+        return PendingReport(self.tasks, flat, work, sums.shape)
 
 
 class PendingReport:
     """A window's metrics on their way: the all-reduce overlaps the next step's compute."""
 
-    def __init__(self, tasks: tuple[str, ...], sums: torch.Tensor, work: Any) -> None:
-        self._tasks, self._sums, self._work = tasks, sums, work
+    def __init__(
+        self, tasks: tuple[str, ...], flat: torch.Tensor, work: Any, shape: torch.Size
+    ) -> None:
+        self._tasks, self._flat, self._work, self._shape = tasks, flat, work, shape
+        self.also: list[float] = []
+        """The ``also`` numbers summed over the ranks, once :meth:`result` has read them."""
 
     def result(self) -> dict[str, float]:
         """The mean loss over all ranks' samples of the window, overall and per task
@@ -128,7 +135,10 @@ class PendingReport:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        values, counts = self._sums.tolist()  # one read from the device
+        flat = self._flat.tolist()  # one read from the device
+        size = self._shape.numel()
+        columns = size // 2
+        values, counts, self.also = flat[:columns], flat[columns:size], flat[size:]
         metrics = means("loss", self._tasks, values, counts)
         metrics["samples"] = sum(counts)
         return metrics

@@ -24,6 +24,7 @@ from ..engine._rundir import RunFiles
 from ..engine._step import StepError
 from ._logs import to_file
 from ._metrics import LossWindow, PendingReport
+from ._phases import PHASES, StepTimer, own_row, straggler
 from ._profiling import throughput
 from ._progress import Progress
 from ._step_metrics import PendingMetrics, UserMetrics
@@ -60,8 +61,14 @@ class Reporter:
         metrics: UserMetrics,
         flops_per_sample: float | None,
         tokens_per_sample: float | None,
+        timer: StepTimer | None = None,
     ) -> None:
         self.config, self.ctx, self.hook, self.files = config, ctx, hook, files
+        self.timer = timer
+        """Each rank's time per phase of its steps (:mod:`~ups.core.observe._phases`), summed
+        in each report's all-reduce; ``None``: not timed."""
+        self._suspect: int | None = None
+        """The rank that stood out at the report before: named if it stands out again."""
         self.window, self.metrics = window, metrics
         self._counts = (flops_per_sample, tokens_per_sample)
         self.reports: list[dict[str, float]] = []
@@ -99,11 +106,13 @@ class Reporter:
         if step == last_step:
             return
         self._reported_at = (step, time.perf_counter())
+        ctx, timer = self.ctx, self.timer
+        rows = None if timer is None else own_row(timer, ctx.rank, ctx.world_size, ctx.device)
         self._pending = _Report(
             step=step,
             epoch=epoch,
             extra=extra(step - last_step),
-            losses=self.window.report(self.ctx),
+            losses=self.window.report(ctx, rows),
             user=self.metrics.report(self.ctx),
             steps=step - last_step,
             seconds=self._reported_at[1] - last_time,
@@ -145,6 +154,33 @@ class Reporter:
         self.hook.ups_step_end(ctx=self.ctx, step=step, metrics=metrics)
         self.files.metrics("train", step, metrics)
         self.reports.append(metrics)
+        if report.losses.also:
+            self._phases(step, report.losses.also, report.steps)
+
+    def _phases(self, step: int, sums: list[float], steps: int) -> None:
+        """Record each rank's seconds per step in each phase (a ``phases`` line of
+        ``metrics.jsonl``) and name the straggler, if any (a ``straggler`` warning): a rank
+        that stands out at two reports in a row (one report's noise names none)."""
+        width = len(PHASES)
+        rows = [[s / steps for s in sums[r : r + width]] for r in range(0, len(sums), width)]
+        threshold = self.config.run.straggler_threshold
+        slow = None if threshold is None else straggler(rows, threshold)
+        suspect, self._suspect = self._suspect, None if slow is None else slow.rank
+        if slow is not None and slow.rank != suspect:
+            slow = None
+        if slow is not None and self.ctx.is_main:
+            log.warning(
+                "straggler",
+                step=step,
+                slow_rank=slow.rank,
+                phase=slow.phase,
+                step_ms=round(slow.seconds * 1000, 3),
+                median_ms=round(slow.median * 1000, 3),
+            )
+        record = {"phases": list(PHASES), "ranks": [[_round(s) for s in row] for row in rows]}
+        if slow is not None:
+            record |= {"straggler": slow.rank, "straggler_phase": slow.phase}
+        self.files.metrics("phases", step, record)
 
     def check_finite(self, step: int) -> None:
         """Before a checkpoint: finish the report on its way and check, over every rank, that

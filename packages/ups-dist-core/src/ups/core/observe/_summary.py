@@ -1,7 +1,9 @@
 """``ups report``: a run folder's metrics as a summary table and a figure.
 
 The input is what rank 0 writes into the run folder (see :mod:`ups.core.engine._rundir`):
-``metrics.jsonl``, one JSON object a line with ``kind`` (``train`` or ``eval``) and ``step``,
+``metrics.jsonl``, one JSON object a line with ``kind`` (``train`` or ``eval``; ``phases``: each
+rank's seconds per step in each phase, ``ranks`` a row a rank in the order ``phases`` names,
+and the ``straggler`` rank and its ``straggler_phase`` if one was named) and ``step``,
 and ``config.yaml``, whose ``run.name`` titles the report. Every other key is optional, so
 files written by older engines (without ``samples_per_s``, say) report what they have.
 
@@ -14,6 +16,7 @@ only when one is drawn.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import statistics
@@ -41,7 +44,8 @@ __all__ = [
 
 Record = dict[str, Any]
 """One line of ``metrics.jsonl``: ``kind`` (str), ``step`` (int) and numbers (``null`` read
-as NaN). Only ``train`` and ``eval`` lines are reported; other kinds are read and ignored."""
+as NaN). ``train``, ``eval``, ``best`` and ``phases`` lines are reported; other kinds are read
+and ignored."""
 
 _NUMERIC = ("loss", "samples_per_s", "oom_skipped")
 """Keys (besides ``loss/<task>``) that must hold a number or ``null`` when present."""
@@ -134,8 +138,9 @@ def summary(records: Sequence[Record], name: str) -> str:
     metrics of the step (each overall and per task, a metric reduced to one number too), the
     best and final evaluation loss (with their steps) and the final evaluation metrics,
     keep-best's best checkpoint (a ``best`` record: its step and value), the median
-    throughput and the OOM-skipped batches. Rows whose metrics the records lack are left
-    out. Needs no matplotlib.
+    throughput, the OOM-skipped batches, and each rank's time per step by phase with the
+    straggler named (``phases`` lines). Rows whose metrics the records lack are left out.
+    Needs no matplotlib.
     """
     train, evals = _by_step(records, "train"), _by_step(records, "eval")
     rows = [("run", name), ("steps", _steps(records, train, evals))]
@@ -164,8 +169,32 @@ def summary(records: Sequence[Record], name: str) -> str:
     skipped = _oom_skipped(records)
     if skipped is not None:
         rows.append(("oom-skipped", f"{skipped} batches"))
+    rows += _phase_rows(_by_step(records, "phases"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
+
+
+def _phase_rows(phases: Sequence[Record]) -> list[tuple[str, str]]:
+    """The step-time panel: each rank's milliseconds per step in each phase (the mean over
+    the reports), and the straggler the reports named, with its phase and how often."""
+    if not phases:
+        return []
+    names, count = phases[-1]["phases"], len(phases)
+    ranks = len(phases[-1]["ranks"])
+    rows = [("step time", f"ms per step by rank, mean over {_count(count, 'report')}")]
+    for rank in range(ranks):
+        means = [
+            statistics.fmean(p["ranks"][rank][i] for p in phases if len(p["ranks"]) == ranks)
+            for i in range(len(names))
+        ]
+        text = ", ".join(f"{name} {1000 * m:.3g}" for name, m in zip(names, means, strict=True))
+        rows.append((f"  rank {rank}", text))
+    named = [(p["straggler"], p["straggler_phase"]) for p in phases if "straggler" in p]
+    if not named:
+        rows.append(("straggler", "none"))
+    for (rank, phase), times in collections.Counter(named).most_common():
+        rows.append(("straggler", f"rank {rank} ({phase}) in {times} of {count} reports"))
+    return rows
 
 
 def _values(record: Record) -> list[tuple[str, float]]:
@@ -243,7 +272,8 @@ def plot(records: Sequence[Record], path: Path, title: str) -> Figure:
     with matplotlib's Agg backend, and return it. One panel each, sharing the step axis:
     ``Training loss`` (overall and per task), ``Training <metric>`` for each metric
     the step reports (each overall and per task), the same for evaluations (when there are
-    any) and ``Throughput`` (when the records have ``samples_per_s``). A loss or metric panel's
+    any), ``Throughput`` (when the records have ``samples_per_s``) and ``Step time outside
+    communication`` (each rank's, with ``phases`` lines). A loss or metric panel's
     y axis is logarithmic when every value on it is positive.
 
     :raises NoMatplotlibError: when matplotlib cannot be imported.
@@ -266,6 +296,11 @@ def plot(records: Sequence[Record], path: Path, title: str) -> Figure:
             panels.append((f"{kind} {family}", rows, _family_keys(rows, family), family))
     if any(not math.isnan(v) for _, v in _series(train, "samples_per_s")):
         panels.append(("Throughput", train, ["samples_per_s"], "samples/s"))
+    phases = _by_step(records, "phases")
+    if phases:
+        work = [_work_ms(p) for p in phases]
+        keys = sorted({key for row in work for key in row if key != "step"})
+        panels.append(("Step time outside communication", work, keys, "ms"))
 
     figure = Figure(figsize=(8, 1 + 3 * max(len(panels), 1)), layout="constrained")
     canvas = FigureCanvasAgg(figure)
@@ -282,6 +317,15 @@ def plot(records: Sequence[Record], path: Path, title: str) -> Figure:
     axes[-1].set_xlabel("step")
     figure.savefig(path, format=suffix or "png", dpi=100)
     return figure
+
+
+def _work_ms(record: Record) -> Record:
+    """A ``phases`` line as ``{step, "rank <r>": ms}``: each rank's milliseconds per step
+    outside communication (data, forward, optimizer: what names a straggler)."""
+    names = record["phases"]
+    work = [names.index(name) for name in ("data", "forward", "optimizer") if name in names]
+    ms = {f"rank {r}": 1000 * sum(row[i] for i in work) for r, row in enumerate(record["ranks"])}
+    return {"step": record["step"], **ms}
 
 
 def _panel(ax: Axes, name: str, records: Sequence[Record], keys: Sequence[str], unit: str) -> None:
