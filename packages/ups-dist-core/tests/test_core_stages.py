@@ -282,7 +282,7 @@ def test_a_stage_override_of_an_unknown_key_is_one_line_before_any_rank(tmp_path
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"ups: error: {config}: stages[1].overrides.training.lrr: unknown key; allowed: "
-        "accumulation_steps, batch_size, compile, ema, epochs, grad_clip_norm, loss, lr, "
+        "accumulation_steps, batch_size, compile, ema, epochs, grad_clip_norm, guard, loss, lr, "
         "max_oom_skips, max_steps, optimizer, optimizer_options, peak_flops, precision, "
         "scheduler, scheduler_options, skip_oom, weight_decay; did you mean 'lr'?"
     ]
