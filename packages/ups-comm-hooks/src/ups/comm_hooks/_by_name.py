@@ -12,8 +12,9 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ups.core import RunContext, structure
-from ups.core.config import check_type, choice
+from ups.core import RunContext
+from ups.core.config import check_type
+from ups.core.plugin import chosen
 
 from .plugin import ups_comm_hooks
 
@@ -41,10 +42,6 @@ def register_hook(
         unknown option or one of the wrong type; for an argument of the wrong type, an
         :class:`~ups.core.config.ArgumentTypeError` (a ``TypeError`` too).
     """
-    records = {record.name: record for record in ups_comm_hooks()}
-    record = records[choice("name", name, sorted(records))].loaded()
-    check_type("ctx", ctx, RunContext, "a RunContext (from ups.core.distributed_session)")
-    if not isinstance(options, record.options):
-        options = structure(record.options, options, "options")
+    record, options = chosen(ups_comm_hooks(), name, ctx=ctx, options=options)
     check_type("ddp", ddp, DistributedDataParallel, "a DistributedDataParallel model")
     return record.factory(ddp, ctx=ctx, options=options)

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from ups.core import RunContext, Strategy, config_from_mapping, structure
+from ups.core import RunContext, Strategy, config_from_mapping
 from ups.core.config import check_type, choice
+from ups.core.plugin import chosen
 
 from .plugin import ups_strategies
 
@@ -50,13 +51,9 @@ def strategy(
         unknown option or one of the wrong type; for an argument of the wrong type, an
         :class:`~ups.core.config.ArgumentTypeError` (a ``TypeError`` too).
     """
-    records = {record.name: record for record in ups_strategies()}
-    record = records[choice("name", name, sorted(records))].loaded()
-    check_type("ctx", ctx, RunContext, "a RunContext (from ups.core.distributed_session)")
+    record, options = chosen(ups_strategies(), name, ctx=ctx, options=options)
     precision = choice("precision", precision, ["fp32", "bf16"])
     check_type("compile", compile, bool, "True or False")
-    if not isinstance(options, record.options):
-        options = structure(record.options, options, "options")
     config = config_from_mapping(
         {
             "model": {"factory": OWN_LOOP},

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         SectionPlugin,
         StrategyPlugin,
         TrainResult,
+        chosen,
     )
 
 _EXPORTS = {
@@ -56,6 +57,7 @@ _EXPORTS = {
     "StrategyPlugin": "._records",
     "TERMINAL": "._records",
     "TrainResult": "._records",
+    "chosen": "._records",
     "TorchSamplerOptions": "._builtins",
     "torch_sampler": "._builtins",
     "imported": ".._lazy",
@@ -70,6 +72,7 @@ __all__ = [
     "CheckpointProbe",
     "CommandPlugin",
     "CommHookPlugin",
+    "chosen",
     "hookimpl",
     "imported",
     "JobState",

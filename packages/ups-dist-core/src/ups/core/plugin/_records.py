@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 import enum
 import re
-from collections.abc import Mapping, Sized
+from collections.abc import Iterable, Mapping, Sized
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import attrs
 
 from .._lazy import resolved
+from ..config._arguments import check_type, choice
+from ..config._structure import structure
 
 if TYPE_CHECKING:  # annotations only: describing a plugin imports no torch
     from torch.nn.parallel import DistributedDataParallel
@@ -63,6 +65,32 @@ class PluginRecord:
         names = ("factory", "options") if factory else ("options",)
         lazy = {f: resolved(getattr(self, f)) for f in names if f in fields}
         return attrs.evolve(self, **lazy)
+
+
+R = TypeVar("R", bound=PluginRecord)
+
+
+def chosen(
+    records: Iterable[R], name: str, *, ctx: object, options: object = None
+) -> tuple[R, Any]:
+    """For a loop of one's own, what the engine does for a config's plugin section: the record
+    of ``records`` (a plugin's own, its registration hook's) called ``name``, its factory and
+    options imported, and ``options`` (a mapping, an instance of its options class, or
+    ``None`` for the defaults) built into its options class; ``ctx`` checked to be a
+    :class:`~ups.core.RunContext`.
+
+    :raises ConfigError: naming the argument: an unknown ``name`` (with the closest one), an
+        unknown option or one of the wrong type; for an argument of the wrong type, an
+        :class:`~ups.core.config.ArgumentTypeError` (a ``TypeError`` too).
+    """
+    from ..dist._context import RunContext  # here: describing a plugin imports no torch
+
+    by_name = {record.name: record for record in records}
+    record: R = by_name[choice("name", name, sorted(by_name))].loaded()
+    check_type("ctx", ctx, RunContext, "a RunContext (from ups.core.distributed_session)")
+    if not isinstance(options, record.options):
+        options = structure(record.options, options, "options")
+    return record, options
 
 
 # ---------------------------------------------------------------------------------------------
