@@ -173,6 +173,20 @@ def stepping(config: Path) -> Callable[[], bool]:
     return lambda: log.is_file() and '"event": "step"' in log.read_text()
 
 
+def preempted(config: Path, pids: Path) -> tuple[int, str]:
+    """``ups train CONFIG --nproc 2``, one of its ranks (their pids in ``pids``) sent SIGTERM
+    once rank 0 has reported: the exit status and the standard error."""
+    env = {**os.environ, "UPS_LOG_FORMAT": "json"}
+    command = [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as process:
+        wait_for(stepping(config), 60, "a training report", process=process)
+        os.kill(max(int(p.name) for p in pids.iterdir()), signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    return process.returncode, err
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The final state of an uninterrupted run."""
@@ -233,16 +247,8 @@ def test_a_sigterm_to_a_worker_saves_at_the_next_step_and_the_resumed_run_ends_e
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
     config, pids = watched_project(tmp_path, delay=0.2)
-    env = {**os.environ, "UPS_LOG_FORMAT": "json"}
-    command = [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"]
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    ) as process:
-        wait_for(stepping(config), 60, "a training report", process=process)
-        worker = max(int(p.name) for p in pids.iterdir())
-        os.kill(worker, signal.SIGTERM)
-        _, err = process.communicate(timeout=60)
-    assert process.returncode == EXIT_PREEMPTED, err[-3000:]
+    returncode, err = preempted(config, pids)
+    assert returncode == EXIT_PREEMPTED, err[-3000:]
     stopped = events(rank_log(config), "preempted: saving and stopping")[0]["step"]
     assert f"ups: preempted: the ranks saved at step {stopped}; resume with" in err
     assert 0 < stopped < STEPS

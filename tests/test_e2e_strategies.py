@@ -6,10 +6,6 @@ bitwise equal to a run never stopped; a 2-rank checkpoint resumes on 1 rank and 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +17,15 @@ from test_e2e_faults import (
     MODEL,
     SCHEDULE,
     STATE,
+    preempted,
     rank_log,
     run_dir,
-    stepping,
     ups_train,
 )
 from test_e2e_resume import project
 
 from ups.core import RunContext, load_model, load_plugins
-from ups.core.testing import assert_bitwise_equal, events, run_ups, tiny_project, wait_for
+from ups.core.testing import assert_bitwise_equal, events, run_ups, tiny_project
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 17
@@ -108,15 +104,8 @@ def test_a_sigterm_under_fsdp_saves_the_shards_at_the_next_step_and_the_resumed_
     config = sharded_project(
         tmp_path, "fsdp", model={"options": {"pid_dir": str(pids), "delay": 0.2}}
     )
-    env = {**os.environ, "UPS_LOG_FORMAT": "json"}
-    command = [sys.executable, "-m", "ups.core", "train", str(config), "--nproc", "2"]
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    ) as process:
-        wait_for(stepping(config), 60, "a training report", process=process)
-        os.kill(max(int(p.name) for p in pids.iterdir()), signal.SIGTERM)
-        _, err = process.communicate(timeout=60)
-    assert process.returncode == EXIT_PREEMPTED, err[-3000:]
+    returncode, err = preempted(config, pids)
+    assert returncode == EXIT_PREEMPTED, err[-3000:]
     stopped = events(rank_log(config), "preempted: saving and stopping")[0]["step"]
     assert 0 < stopped < STEPS and final(config)["step"] == stopped
     done = ups_train(config, "-o", "checkpoint.resume=latest")
