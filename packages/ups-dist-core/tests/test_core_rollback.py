@@ -115,16 +115,22 @@ def test_a_rollback_ends_bitwise_as_the_run_passing_over_its_quarantined_step(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("snapshot_every", "kill"), [(100, 5), (3, 7)])
+@pytest.mark.parametrize(("snapshot_every", "kill", "factor"), [(100, 5, 1.0), (3, 7, 0.5)])
 def test_a_kill_in_or_after_a_replay_resumes_bitwise_as_the_unkilled_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snapshot_every: int, kill: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snapshot_every: int, kill: int, factor: float
 ) -> None:
     """A NaN on rank 1 at attempt 4 (epoch 1's last batch) rolls back to the snapshot of the
     checkpoint of step 2 (``snapshot_every: 100``) or of step 3; rank 0 is killed at attempt
     ``kill``: in the replay, before the checkpoint after the quarantined step (the restarted
     job resumes from step 2 and passes over the step again, from its own ``guard.jsonl``), or
-    after it. Either way the run ends bitwise as the run never killed."""
-    guard = {"action": "rollback", "snapshot_every": snapshot_every}
+    after it, within the LR cut (the checkpoint of step 4 keeps the cut's steps left). Either
+    way the run ends bitwise as the run never killed."""
+    guard = {
+        "action": "rollback",
+        "snapshot_every": snapshot_every,
+        "lr_factor": factor,
+        "lr_steps": 3,
+    }
     monkeypatch.setenv(ENV, "nan@1:4")
     unkilled = run_ranks(ended, 2, project(tmp_path / "unkilled", guard))[0]
     config = project(tmp_path / "killed", guard, checkpoint={"every_steps": 2})
@@ -151,3 +157,18 @@ def test_a_quarantine_file_that_is_not_a_guard_jsonl_is_refused_in_one_line(
         ConfigError, match=r"training\.guard\.quarantine: line 1 of .* is not a step"
     ):
         train_rank(config, RunContext(), load_plugins())
+
+
+@pytest.mark.slow
+def test_more_rollbacks_than_the_budget_stop_every_rank_and_none_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    guard = {"action": "rollback", "snapshot_every": 2, "max_rollbacks": 1, "window": 10}
+    off = run_ranks(ended, 2, project(tmp_path / "off", {"action": "skip"}))
+    clean = run_ranks(ended, 2, project(tmp_path / "clean", guard))
+    for found, expected in zip(clean, off, strict=True):
+        assert_same_end(found, expected)  # snapshots taken, none restored: nothing changed
+        assert found["metrics"][-1]["guard_rollbacks"] == 0
+    monkeypatch.setenv(ENV, "nan@1:2,4")
+    with pytest.raises(Exception, match=r"over training\.guard\.max_rollbacks: 1"):
+        run_ranks(ended, 2, project(tmp_path / "stopped", guard))

@@ -28,6 +28,7 @@ from ..dist._rng import rng_state
 from ..plugin._records import Checkpointer, Loaded
 from ._ema import EMA
 from ._faults import FaultInjector
+from ._guard import Guard
 from ._rundir import keep_until
 from ._schedule import Schedule
 from ._strategy import Strategy
@@ -115,6 +116,10 @@ class Saved:
     saved before it was kept)."""
     stage: int = 0
     """The index of the stage that saved it (``stages``; ``0`` for a run without)."""
+    guard: dict[str, Any] = attrs.field(factory=dict)
+    """The training guard's state (:meth:`Guard.state <ups.core.engine._guard.Guard.state>`
+    as ``{"state": [...]}``: its running average, and the steps left of an LR cut); ``{}``
+    without a guard."""
 
     def to_dict(self) -> dict[str, Any]:
         """The mapping a checkpointer stores."""
@@ -188,6 +193,8 @@ class TrainingState:
     ema: EMA | None = None
     stage: int = 0
     """The index of the run's stage this training is (``stages``; ``0`` without)."""
+    guard: Guard | None = None
+    """The training guard, whose running average and LR cut a checkpoint keeps."""
 
     def save(self, position: Position, metrics: Mapping[str, float] | None = None) -> str:
         """Save a checkpoint at ``position`` (for the evaluated ``metrics``: keep-best's
@@ -222,6 +229,7 @@ class TrainingState:
             if self.ema is not None
             else {},
             stage=self.stage,
+            guard={"state": list(self.guard.state())} if self.guard is not None else {},
         )
         # metrics only when given: a backend written before keep_best takes no such argument
         extra = {"metrics": metrics} if metrics is not None else {}
@@ -273,6 +281,9 @@ class TrainingState:
         self.scaler.load_state_dict(state.scaler)
         self.schedule.load_state_dict(state.schedule)
         self._restore_ema(state.ema)
+        if self.guard is not None and state.guard:
+            average, accepted, cut_left = state.guard["state"]
+            self.guard.load_state((float(average), int(accepted), int(cut_left)))
         load = getattr(self.sampler, "load_state_dict", None) if state.sampler else None
         if load is not None:
             load(state.sampler)
