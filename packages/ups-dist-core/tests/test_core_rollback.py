@@ -30,14 +30,28 @@ def ended(ctx: RunContext, config_path: Path) -> dict[str, Any]:
     }
 
 
+MEASURED = """
+def measured():
+    def fn(outputs, targets):
+        return {"error": (outputs - targets).abs().mean(), "seen": outputs.new_ones(len(outputs))}
+
+    return fn
+"""
+"""A user metric of the batch's values, and one per sample: what a report adds up."""
+
+
 def project(
     folder: Path, guard: dict[str, Any], checkpoint: dict[str, Any] | None = None, **training: Any
 ) -> Path:
     """The tiny project (4 batches of 8 a rank an epoch on 2 ranks) for 2 epochs, reporting
-    every step, Adam with a step LR schedule, with ``training.guard: guard``."""
+    every 2 steps with :data:`MEASURED`'s metrics, Adam with a step LR schedule, with
+    ``training.guard: guard``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "measured.py").write_text(MEASURED)
     return tiny_project(
         folder,
-        run={"log_every": 1},
+        run={"log_every": 2},
+        metrics={"factory": "measured.py:measured", "reduce": {"seen": "sum"}},
         checkpoint=checkpoint or {},
         training={
             "epochs": 2,
@@ -100,6 +114,12 @@ def test_a_rollback_ends_bitwise_as_the_run_passing_over_its_quarantined_step(
     passed = run_ranks(ended, 2, quarantined)
     for found, expected in zip(rolled, passed, strict=True):
         assert_same_end(found, expected)
+    # Every report counts each step once, the loss and the user metrics alike (a replayed
+    # step's are rewound with the snapshot), as the run passing over the step counts them.
+    counted = ("loss", "error", "seen")
+    assert [{k: m[k] for k in counted} for m in rolled[0]["metrics"]] == [
+        {k: m[k] for k in counted} for m in passed[0]["metrics"]
+    ]
     if factor != 1:  # the cut made a difference
         uncut = {
             **guard,

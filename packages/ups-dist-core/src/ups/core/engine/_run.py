@@ -491,7 +491,9 @@ class Run:
         """Copy this rank's training state in memory (:mod:`~ups.core.engine._snapshot`)."""
         guard = self.stepper.guard
         assert guard is not None
-        self.snapshot = take(self.state, self.position, self.reporter.window, guard.state())
+        self.snapshot = take(
+            self.state, self.position, self.reporter.window, self.metrics, guard.state()
+        )
 
     def _roll_back(self, rolling: RollingBack, batches: Epoch, group: int) -> None:
         """Every rank together: quarantine the step ``rolling`` names (its ``group`` batches,
@@ -511,7 +513,7 @@ class Run:
         reporter.files.close()  # metrics.jsonl rewritten below, opened again at its next line
         self.state.supersede_after(at)
         reporter.restart_clock(self.start + (at - self.start) // every * every)
-        resumed = restore(self.state, snapshot, reporter.window)
+        resumed = restore(self.state, snapshot, reporter.window, self.metrics)
         guard.load_state(snapshot.guard)
         self.position, self._resumed = resumed.position, resumed
         if not resumed.position.epoch_left:

@@ -18,6 +18,7 @@ import torch
 
 from ..dist._rng import rng_state
 from ..observe._metrics import LossWindow
+from ..observe._step_metrics import UserMetrics
 from ._resume import Position, Resumed, TrainingState
 
 
@@ -38,6 +39,8 @@ class Snapshot:
     plugins: dict[str, Any]
     rng: dict[str, Any]
     window: dict[str, Any]
+    metrics: dict[str, torch.Tensor]
+    """The user metrics' sums since the last report."""
     guard: tuple[float, int, int]
 
 
@@ -46,10 +49,14 @@ def _cloned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def take(
-    state: TrainingState, position: Position, window: LossWindow, guard: tuple[float, int, int]
+    state: TrainingState,
+    position: Position,
+    window: LossWindow,
+    metrics: UserMetrics,
+    guard: tuple[float, int, int],
 ) -> Snapshot:
     """This rank's snapshot at ``position``: ``state``'s objects copied, ``window`` (a host
-    sync) and the guard's ``guard`` state with them."""
+    sync), the user ``metrics``' sums and the guard's ``guard`` state with them."""
     comm = getattr(state.comm_state, "state_dict", None)
     return Snapshot(
         position=position,
@@ -63,12 +70,15 @@ def take(
         plugins=copy.deepcopy(state.plugin_states()),
         rng=rng_state(state.ctx.device),
         window=window.state_dict(),
+        metrics=metrics.state_dict(),
         guard=guard,
     )
 
 
-def restore(state: TrainingState, snapshot: Snapshot, window: LossWindow) -> Resumed:
-    """Put ``snapshot`` back into ``state``'s objects and ``window`` (copies again: the
+def restore(
+    state: TrainingState, snapshot: Snapshot, window: LossWindow, metrics: UserMetrics
+) -> Resumed:
+    """Put ``snapshot`` back into ``state``'s objects, ``window`` and ``metrics`` (copies again: the
     snapshot stays as it was, for another rollback) and tell the loop where to go on, as a
     resume does (the epoch entered again at the snapshot's place, the generators set then)."""
     state.model.load_state_dict(_cloned(snapshot.model))
@@ -85,6 +95,7 @@ def restore(state: TrainingState, snapshot: Snapshot, window: LossWindow) -> Res
         load(copy.deepcopy(snapshot.comm_hook))
     state.hook.ups_checkpoint_restore(ctx=state.ctx, state=copy.deepcopy(snapshot.plugins))
     window.load_state_dict(snapshot.window)
+    metrics.load_state_dict(snapshot.metrics)
     at = snapshot.position
     load_sampler = getattr(state.sampler, "load_state_dict", None) if at.sampler else None
     if load_sampler is not None:

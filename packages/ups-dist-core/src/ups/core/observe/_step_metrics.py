@@ -96,6 +96,15 @@ class UserMetrics:
                 entry[0] += value * batch_size
                 entry[1] += batch_size
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The sums since the last report, copied: what a rollback puts back
+        (:mod:`~ups.core.engine._snapshot`), so that replayed steps are counted once."""
+        return {name: entry.clone() for name, entry in self._sums.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Go on from the sums :meth:`state_dict` gave (copied again)."""
+        self._sums = {name: entry.clone() for name, entry in state.items()}
+
     def report(self, ctx: RunContext) -> PendingMetrics:
         """Start aggregating the window over all ranks and start a new window. A collective:
         every rank calls it at the same step.
