@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from ups.core import ConfigError, RunContext, load_config, load_plugins
 from ups.core.config._config import GuardConfig
-from ups.core.engine import train_rank
+from ups.core.engine import Guard, GuardStoppedError, train_rank
 from ups.core.engine._faults import ENV
-from ups.core.engine._guard import Guard
 from ups.core.testing import (
     assert_bitwise_equal,
     counting_all_reduces,
@@ -245,3 +246,42 @@ def test_ups_train_prints_the_stop_as_one_line(
     assert "step 2: the gradient norm is nan (not finite)" in said[0]
     assert "the loss was not finite on rank 1" in said[0]
     assert run.returncode == 2  # a StepError, as a loss that is not finite at a report
+
+
+def own_loop_verdicts(ctx: RunContext, action: str) -> list[str]:
+    """A hand-written DDP loop of 3 steps asking ``Guard.in_loop`` after each; rank 1's loss
+    NaN at the second: the verdicts, or the error's message."""
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    guard = Guard.in_loop(ctx, action=action)
+    verdicts = []
+    for step in range(3):
+        scale = float("nan") if (step, ctx.rank) == (1, 1) else 1.0
+        loss = (model(torch.ones(2, 4)) * scale).square().mean()
+        loss.backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+        try:
+            verdicts.append(guard.verdict(loss, norm))
+        except GuardStoppedError as stopped:
+            return [str(stopped)]
+        model.zero_grad()
+    return verdicts
+
+
+def test_a_guard_in_a_loop_of_ones_own_gives_every_rank_the_same_verdict() -> None:
+    """One rank's NaN loss makes the averaged gradients NaN on both: both skip, or both roll
+    back; with ``stop`` both raise one line naming rank 1."""
+    assert run_ranks(own_loop_verdicts, 2, "skip") == [["step", "skip", "step"]] * 2
+    assert run_ranks(own_loop_verdicts, 2, "rollback") == [["step", "rollback", "step"]] * 2
+    stopped = run_ranks(own_loop_verdicts, 2, "stop")
+    assert (
+        stopped
+        == [
+            [
+                "step 2: the gradient norm is nan (not finite) (training.guard.action: stop); the loss "
+                "was not finite on rank 1"
+            ]
+        ]
+        * 2
+    )
+    with pytest.raises(ConfigError, match=r"^options\.action: "):
+        Guard.in_loop(RunContext(), action="retry")

@@ -15,6 +15,7 @@ from .._lazy import lazy_exports
 if TYPE_CHECKING:
     from ._batches import BatchError, batch_size, tensors, to_device
     from ._ema import EMA
+    from ._guard import Guard, GuardStoppedError
     from ._model import load_model
     from ._optim import step_on_plateau
     from ._run import train, train_rank
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "EMA": "._ema",
+    "Guard": "._guard",
+    "GuardStoppedError": "._guard",
     "load_model": "._model",
     "train": "._run",
     "train_rank": "._run",
@@ -47,6 +50,8 @@ __all__ = [
     "Action",
     "batch_size",
     "EMA",
+    "Guard",
+    "GuardStoppedError",
     "BatchError",
     "load_model",
     "Plateau",

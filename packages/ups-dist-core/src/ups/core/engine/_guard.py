@@ -23,7 +23,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 import torch
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..config._config import GuardConfig
 from ..config._errors import ConfigError
+from ..config._structure import structure
 from ..dist._context import RunContext
 from ._step import StepError
 
@@ -123,6 +124,39 @@ class Guard:
         """Rollbacks taken (reported as ``guard_rollbacks``)."""
         self.cut_left = 0
         """Optimizer steps the LR is still cut by ``lr_factor`` for."""
+        self._attempts = 0
+        """Steps :meth:`verdict` was asked about (a loop of one's own)."""
+
+    @classmethod
+    def in_loop(cls, ctx: RunContext, **options: Any) -> Guard:
+        """A guard for a loop of one's own, with the options ``training.guard`` takes
+        (``action``, ``spike``, ``warmup_steps``, ``max_skips``, ``max_rollbacks``, ``window``);
+        ask it for each step's :meth:`verdict`.
+
+        :raises ConfigError: naming an option it does not take, or a value it refuses.
+        """
+        return cls(structure(GuardConfig, options, "options"), ctx, scaled=False)
+
+    def verdict(self, loss: torch.Tensor, grad_norm: float) -> Literal["step", "skip", "rollback"]:
+        """What every rank does with the step whose loss on this rank is ``loss`` and whose
+        global gradient norm (after the gradients' all-reduce: the same on every rank) is
+        ``grad_norm``: ``step`` (take it), ``skip`` (zero the gradients, no update) or
+        ``rollback`` (restore your copy of the state from before it, and pass over its
+        batches); the same answer on every rank, with no collective unless the step is bad.
+
+        :raises GuardStoppedError: on every rank, with ``action: stop`` or past the budget:
+            naming the step and the ranks whose loss was not finite.
+        """
+        self._attempts += 1
+        reason = self.check(grad_norm)
+        if reason is None:
+            return "step"
+        try:
+            self.act(self._attempts, self._attempts, reason, [(loss.detach().reshape(-1), None)])
+        except RollingBack:
+            self.rollbacks += 1
+            return "rollback"
+        return "skip"
 
     def state(self) -> tuple[float, int, int]:
         """What a snapshot keeps of the guard: the running average, its steps, the LR cut's."""
