@@ -11,7 +11,8 @@ engine
     of its reports' ``step_time_s`` after the first report (start-up left out). Rounds alternate
     which run goes first; reported per round, then as the median (min to max): µs per step
     without and with the guard and their difference (both timed), and without the timing
-    (``run.straggler_threshold: null``, no guard) and the difference the timing makes.
+    (``run.straggler_threshold: null``, no guard) and the difference the timing makes; and
+    with the rollback guard (``action: rollback``, its snapshot every 50 steps, the default).
 added work alone
     What the guard adds to a step, timed alone over 2000 calls on the gradients of the
     operator example's FNO (``examples/pde_operator``, 24 tensors): ``Strategy.grad_norm``
@@ -19,7 +20,8 @@ added work alone
     ``training.grad_clip_norm`` computes the norm already); and the step timer's boundaries
     of a step (:class:`~ups.core.observe._phases.StepTimer`: the 6 a step of one micro-batch
     marks on CPU, and its ``take`` at a report every 10 steps) against the ``NoTimer`` an
-    untimed run calls.
+    untimed run calls; and the copies a rollback snapshot makes of the FNO's model and its
+    AdamW state (every ``snapshot_every`` steps, so a 50th of it a step at the default).
 
 Usage: ``python benchmarks/bench_guard.py [--rounds N] [--steps N] [--out FILE]``
 (``nox -s bench_guard`` runs it). Prints a Markdown table and writes a JSON file (default
@@ -29,6 +31,7 @@ Usage: ``python benchmarks/bench_guard.py [--rounds N] [--steps N] [--out FILE]`
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -59,6 +62,8 @@ from ups.core.testing import tiny_project
 
 ROOT = Path(__file__).resolve().parents[1]
 GUARD = {"action": "skip", "spike": 10.0}
+ROLLBACK = {"action": "rollback", "spike": 10.0}
+"""The rollback guard, its snapshot every ``snapshot_every`` steps at the default (50)."""
 
 
 def engine_us(folder: Path, guard: dict[str, Any] | None, steps: int, *, timed: bool) -> float:
@@ -94,6 +99,21 @@ def added_us(config: Config, calls: int) -> tuple[float, float]:
     return norm_us, (time.perf_counter() - start) / calls * 1e6
 
 
+def snapshot_us(copies: int) -> float:
+    """Microseconds per copy of the FNO's model and AdamW state as a snapshot takes them
+    (``state_dict()`` tensors cloned, the optimizer's deep-copied), after one step."""
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    u0, params, target = batch(model)
+    nn.functional.mse_loss(model(u0, params), target).backward()
+    optimizer.step()
+    start = time.perf_counter()
+    for _ in range(copies):
+        {k: v.detach().clone() for k, v in model.state_dict().items()}
+        copy.deepcopy(optimizer.state_dict())
+    return (time.perf_counter() - start) / copies * 1e6
+
+
 def timer_us(timer: StepTimer, steps: int) -> float:
     """Microseconds per step of ``timer``'s boundaries of a step of one micro-batch on CPU, and
     a ``take`` every 10 steps."""
@@ -119,11 +139,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    runs: dict[str, list[float]] = {"plain": [], "guard": [], "untimed": []}
-    settings = {"plain": (None, True), "guard": (GUARD, True), "untimed": (None, False)}
+    settings = {
+        "plain": (None, True),
+        "guard": (GUARD, True),
+        "rollback": (ROLLBACK, True),
+        "untimed": (None, False),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as folder:
         for round_ in range(args.rounds):
-            order = list(settings)[round_ % 3 :] + list(settings)[: round_ % 3]
+            turn = round_ % len(settings)
+            order = list(settings)[turn:] + list(settings)[:turn]
             for index, name in enumerate(order):
                 guard, timed = settings[name]
                 where = Path(folder) / f"{round_}-{index}"
@@ -131,6 +157,8 @@ def main() -> None:
         norm_us, check_us = added_us(load_config(tiny_project(Path(folder) / "fno")), 2000)
     plain, guarded, untimed = runs["plain"], runs["guard"], runs["untimed"]
     added = [g - p for g, p in zip(guarded, plain, strict=True)]
+    rolled = [r - p for r, p in zip(runs["rollback"], plain, strict=True)]
+    snapshot = snapshot_us(200)
     timing = [p - u for p, u in zip(plain, untimed, strict=True)]
     timer, no_timer = timer_us(StepTimer(torch.device("cpu")), 20000), timer_us(NoTimer(), 20000)
     result = {
@@ -141,6 +169,9 @@ def main() -> None:
         "plain_us": plain,
         "guard_us": guarded,
         "added_us": added,
+        "rollback_us": runs["rollback"],
+        "rollback_added_us": rolled,
+        "snapshot_us": snapshot,
         "untimed_us": untimed,
         "timing_us": timing,
         "timer_us": timer,
@@ -153,6 +184,13 @@ def main() -> None:
     print(f"| engine step without the guard (timed), µs | {summary(plain)} |")
     print(f"| engine step with the guard (skip, spike: 10; timed), µs | {summary(guarded)} |")
     print(f"| added by the guard, µs/step | {summary(added)} |")
+    print(
+        f"| engine step with the rollback guard (snapshot every 50; timed), µs | {summary(runs['rollback'])} |"
+    )
+    print(f"| added by the rollback guard, µs/step | {summary(rolled)} |")
+    print(
+        f"| a snapshot's copies alone (FNO and AdamW), µs; per step at every 50 | {snapshot:.1f}; {snapshot / 50:.1f} |"
+    )
     print(f"| `Strategy.grad_norm` alone (FNO, 24 tensors), µs/call | {norm_us:.1f} |")
     print(f"| `Guard.check` alone, µs/call | {check_us:.2f} |")
     print(f"| engine step without the timing (no guard), µs | {summary(untimed)} |")
