@@ -60,12 +60,18 @@ def ended(ctx: RunContext, config_path: Path) -> dict[str, Any]:
     }
 
 
-def project(folder: Path, guard: dict[str, Any] | None, **training: Any) -> Path:
+def project(
+    folder: Path,
+    guard: dict[str, Any] | None,
+    checkpoint: dict[str, Any] | None = None,
+    **training: Any,
+) -> Path:
     """The tiny project (64 samples, batches of 8 on 2 ranks: 4 steps an epoch) for 2 epochs,
     reporting every step, with ``training.guard: guard``."""
     return tiny_project(
         folder,
         run={"log_every": 1},
+        checkpoint=checkpoint or {},
         training={"epochs": 2, "guard": guard, **training},
     )
 
@@ -223,8 +229,14 @@ def test_the_guard_finding_nothing_changes_nothing_and_adds_no_collective(
     """Bitwise the guard-off run, with as many all-reduces (none of its own; DDP's gradient
     all-reduce is the reducer's, not counted)."""
     guard = {"action": "stop", "spike": 100.0, "warmup_steps": 1}
+    # No preemption signals: their agreement's all-reduces come as often as time says.
+    unsignalled = {"preempt_signals": []}
     runs = {
-        name: run_ranks(ended, 2, project(tmp_path / name, on, grad_clip_norm=clip))
+        name: run_ranks(
+            ended,
+            2,
+            project(tmp_path / name, on, checkpoint=unsignalled, grad_clip_norm=clip),
+        )
         for name, on in (("off", None), ("on", guard))
     }
     for off, on in zip(runs["off"], runs["on"], strict=True):

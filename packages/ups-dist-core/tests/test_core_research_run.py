@@ -38,11 +38,13 @@ def run(folder: Path, max_steps: int, resume: str = "none") -> TrainResult:
 
 
 def lines(folder: Path) -> list[dict[str, Any]]:
-    """The run's metrics, without what differs between any two runs (times, speeds)."""
+    """The run's metrics, without what differs between any two runs (times, speeds, and the
+    step phases' lines: times)."""
     found = []
     for line in (folder / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        found.append({k: v for k, v in record.items() if "time" not in k and "per_s" not in k})
+        if record["kind"] != "phases":
+            found.append({k: v for k, v in record.items() if "time" not in k and "per_s" not in k})
     return found
 
 
