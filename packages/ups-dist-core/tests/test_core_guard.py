@@ -6,6 +6,7 @@ with no collective added."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -169,12 +170,18 @@ def test_stop_stops_every_rank_with_one_line_naming_the_step_the_rank_and_the_ba
 ) -> None:
     monkeypatch.setenv(ENV, "nan@1:3")
     ends = run_ranks(ended, 2, project(tmp_path, {"action": "stop"}))
-    message = (
+    said = (
         "step 3: the gradient norm is nan (not finite) (training.guard.action: stop); the loss "
-        "was not finite on rank 1; epoch 1, batch 3 of each rank's share (the engine does not "
-        "know their sample indices)"
+        "was not finite on rank 1; epoch 1, batch 3 of each rank's share; samples: rank 0 ["
     )
-    assert ends == [{"error": ("GuardStoppedError", message)}] * 2
+    assert ends[0] == ends[1] and ends[0]["error"][0] == "GuardStoppedError"
+    message = ends[0]["error"][1]
+    assert message.startswith(said), message
+    # each rank's 8 samples of the batch: 16 of the 64, none twice
+    shown = re.findall(r"rank (\d) \[([\d, ]+)\]", message.split("samples: ")[1])
+    assert [int(rank) for rank, _ in shown] == [0, 1]
+    indices = [int(i) for _, listed in shown for i in listed.split(", ")]
+    assert len(set(indices)) == 16 and all(0 <= i < 64 for i in indices), message
 
 
 @pytest.mark.slow

@@ -49,14 +49,28 @@ class GuardStoppedError(StepError):
         super().__init__(message)
         self.message = message
 
-    def at(self, epoch: int, first: int, last: int) -> GuardStoppedError:
+    def at(
+        self, epoch: int, first: int, last: int, indices: Sequence[Sequence[int]]
+    ) -> GuardStoppedError:
         """This error, naming the step's batches: ``first`` to ``last`` of each rank's share
-        of epoch ``epoch`` (counted from 1)."""
+        of epoch ``epoch`` (counted from 1), and their sample indices, each rank's (the first
+        :data:`SHOWN` of each)."""
         batches = f"batch {last}" if first == last else f"batches {first}-{last}"
-        return GuardStoppedError(
-            f"{self.message}; epoch {epoch}, {batches} of each rank's share (the engine does "
-            "not know their sample indices)"
+        samples = "; ".join(
+            f"rank {rank} {_shown(drawn)}" for rank, drawn in enumerate(indices) if drawn
         )
+        return GuardStoppedError(
+            f"{self.message}; epoch {epoch}, {batches} of each rank's share; samples: {samples}"
+        )
+
+
+SHOWN = 8
+"""The sample indices a stop's message names per rank."""
+
+
+def _shown(indices: Sequence[int]) -> str:
+    more = f" and {len(indices) - SHOWN} more" if len(indices) > SHOWN else ""
+    return f"[{', '.join(map(str, indices[:SHOWN]))}]{more}"
 
 
 class RollingBack(Exception):  # noqa: N818 (a signal to the loop, not an error)
@@ -223,7 +237,7 @@ class Guard:
                 return
             cause = f"{len(skips)} bad steps in the last {c.window}, over training.guard.{name}: {budget}"
         raise GuardStoppedError(
-            f"step {step}: {reason} ({cause}); {self._said(self._gather(mine))}"
+            f"step {step}: {reason} ({cause}); {self._said(gathered(self.ctx, mine))}"
         )
 
     def quarantine(
@@ -233,7 +247,7 @@ class Guard:
         this rank's ``indices`` of them, gathered over every rank (a collective): appended to
         ``folder/guard.jsonl`` by rank 0 and logged; the record."""
         finite, ids = rolling.mine
-        gathered = self._gather((finite, ids, [i for batch in indices for i in batch]))
+        every = gathered(self.ctx, (finite, ids, [i for batch in indices for i in batch]))
         record = {
             "step": rolling.step,
             "epoch": epoch,
@@ -246,7 +260,7 @@ class Guard:
                     "tasks": [self._task(i) for i in tasks],
                     "indices": drawn,
                 }
-                for rank, (ok, tasks, drawn) in enumerate(gathered)
+                for rank, (ok, tasks, drawn) in enumerate(every)
             ],
         }
         self.rollbacks += 1
@@ -259,17 +273,9 @@ class Guard:
                 reason=rolling.reason,
                 epoch=epoch,
                 batches=record["batches"],
-                said=self._said(gathered),
+                said=self._said(every),
             )
         return record
-
-    def _gather(self, mine: Any) -> list[Any]:
-        """``mine`` from every rank, in rank order (one ``all_gather_object``)."""
-        if not self.ctx.distributed:
-            return [mine]
-        gathered = [mine] * self.ctx.world_size
-        dist.all_gather_object(gathered, mine)
-        return gathered
 
     def _task(self, task_id: int) -> str:
         return self.tasks[task_id] if 0 <= task_id < len(self.tasks) else str(task_id)
@@ -284,6 +290,16 @@ class Guard:
         if tasks:
             said += f"; tasks {', '.join(map(self._task, tasks))}"
         return said
+
+
+def gathered(ctx: RunContext, mine: Any) -> list[Any]:
+    """``mine`` from every rank, in rank order (one ``all_gather_object``): what the ranks tell
+    each other once the guard has fired, never before."""
+    if not ctx.distributed:
+        return [mine]
+    every = [mine] * ctx.world_size
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def _own(batches: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[bool, list[int]]:

@@ -47,7 +47,7 @@ from ._ema import EMA, evaluate_beside
 from ._evaluation import evaluate, val_named
 from ._faults import FaultInjector
 from ._guard import FILE as GUARD_FILE
-from ._guard import Guard, GuardStoppedError, Quarantine, RollingBack
+from ._guard import Guard, GuardStoppedError, Quarantine, RollingBack, gathered
 from ._loader import Epoch, StepBatches
 from ._model import warm_start
 from ._optim import MONITOR, is_plateau, step_on_plateau
@@ -462,9 +462,11 @@ class Run:
                     continue
                 try:
                     taken = self.stepper.step(self.step + 1, batches, group)
-                except GuardStoppedError as stopped:  # name the step's batches
-                    epoch = self.position.epoch
-                    raise stopped.at(epoch, batches.taken - group + 1, batches.taken) from None
+                except GuardStoppedError as stopped:  # name the step's batches, every rank's
+                    mine = [i for drawn in list(batches.recent)[-group:] for i in drawn]
+                    first, epoch = batches.taken - group + 1, self.position.epoch
+                    every = gathered(self.ctx, mine)  # every rank raises here, together
+                    raise stopped.at(epoch, first, batches.taken, every) from None
                 except RollingBack as rolling:
                     self._roll_back(rolling, batches, group)
                     rolled = True
