@@ -46,6 +46,7 @@ REVIEWED: dict[str, tuple[str, ...]] = {
     # (this and the next two: true until it runs on a GPU, then replace them with its results).
     "docs/benchmarks.md": ("Ideas not yet tried", "no GPU has run it yet"),
     "docs/comm-hooks.md": ("No GPU has run this project's tests yet",),
+    "docs/gpu.md": ("Not run yet on a device",),
     # The schedule's rules that have not fired in a run.
     "docs/decisions.md": ("not fired yet",),
     # A hook's moment in the run, a folder made on first use, a resumed sampler's epoch.
