@@ -21,11 +21,14 @@ if TYPE_CHECKING:
 def tracker_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """The run folder's ``metrics.jsonl`` as an experiment tracker should hold it: each metric
     as ``KIND/NAME`` (``train/loss``, ``eval/loss/TASK``) with its ``(step, value)`` pairs by
-    step; at a step reported twice (a resumed run) the later line wins; ``null`` left out."""
+    step; at a step reported twice (a resumed run) the later line wins; ``null`` left out, and
+    the ``phases`` lines (each rank's step times, for ``ups report``: not a tracker's)."""
     found: dict[str, dict[int, float]] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         kind, step = record.pop("kind"), record.pop("step")
+        if kind == "phases":
+            continue
         for name, value in record.items():
             if value is not None:
                 found.setdefault(f"{kind}/{name}", {})[step] = value
