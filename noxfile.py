@@ -241,6 +241,7 @@ def bench_ema(session: nox.Session) -> None:
     the same steps without it, and ``EMA.update`` against a Python loop of ``lerp_``; see
     docs/benchmarks.md. Not a default session: ``nox -s bench_ema``."""
     install(session, "core")
+    session.install("-c", str(CONSTRAINTS), "h5py")  # the operator example's FNO imports it
     session.run("python", "benchmarks/bench_ema.py", *session.posargs)
 
 
@@ -250,6 +251,7 @@ def bench_guard(session: nox.Session) -> None:
     without it, and its added work alone; see docs/benchmarks.md. Not a default session:
     ``nox -s bench_guard``."""
     install(session, "core")
+    session.install("-c", str(CONSTRAINTS), "h5py")  # the operator example's FNO imports it
     session.run("python", "benchmarks/bench_guard.py", *session.posargs)
 
 
