@@ -125,7 +125,10 @@ class Strategy:
         """The global norm of the gradients of ``parameters``, the same number on every rank
         (``training.guard`` without clipping). Sharded gradients (DTensors) are summed over
         the shards: a collective then, which every rank calls."""
-        norm = nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if _plain(grads):  # one device and dtype: one foreach norm, as get_total_norm's own
+            return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        norm = nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return float(norm)
@@ -159,6 +162,15 @@ class Strategy:
         set may differ in length, so no pass may need a collective. Nothing for DDP (its bare
         module runs alone)."""
         yield
+
+
+def _plain(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are plain tensors (no DTensor) of one device and dtype."""
+    first = tensors[0] if tensors else None
+    return first is not None and all(
+        type(t) is torch.Tensor and t.device == first.device and t.dtype == first.dtype
+        for t in tensors
+    )
 
 
 def ddp(*, ctx: RunContext, config: Config, options: object) -> Strategy:

@@ -380,6 +380,8 @@ class Stepper:
         self.timer = timer or NoTimer()
         """Where this rank's step time goes (:mod:`~ups.core.observe._phases`)."""
         self.strategy, self.local_passes = strategy, local_passes
+        self.parameters = list(model.parameters())
+        """The model's parameters, listed once (a module's ``parameters()`` walks its tree)."""
         self.forward, self.optimizer, self.scheduler = forward, optimizer, scheduler
         self.watchdog = watchdog
         self.even = even
@@ -445,11 +447,11 @@ class Stepper:
         self.watchdog.mark(self.attempts, BACKWARD)
         assert micro.last is not None
         self.timer.enter(COLLECTIVES)  # the ranks' count, if summed apart, is waited for
-        last = weights.last(micro.last, self.model.parameters())
+        last = weights.last(micro.last, self.parameters)
         self.timer.enter(BACKWARD_PHASE)
         self.scaler.scale(last).backward()  # type: ignore[no-untyped-call]
         self.timer.enter(OPTIMIZER)
-        weights.after(self.model.parameters())
+        weights.after(self.parameters)
         grad_norm = self._grad_norm()
         guard = self.guard
         if guard is not None and (reason := guard.check(grad_norm)) is not None:
@@ -477,8 +479,8 @@ class Stepper:
             return float("nan")
         self.scaler.unscale_(self.optimizer)
         if clip is not None:
-            return self.strategy.clip_grad_norm(self.model.parameters(), clip)
-        return self.strategy.grad_norm(self.model.parameters())
+            return self.strategy.clip_grad_norm(self.parameters, clip)
+        return self.strategy.grad_norm(self.parameters)
 
     def backward_alone(self, batch: Any, *, sync: bool = False) -> None:
         """Forward and backward one batch, through DDP with ``sync``, else on this rank alone
