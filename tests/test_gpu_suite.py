@@ -15,6 +15,7 @@ MODULES = {
     "test_gpu_compile",
     "test_gpu_examples",
     "test_gpu_fsdp",
+    "test_gpu_guard",
     "test_gpu_loader",
     "test_gpu_nccl",
     "test_gpu_oom",

@@ -32,7 +32,10 @@ def train(
     """``ups train`` of ``example`` on one process (the GPU), deterministic, ``steps`` steps,
     resuming from the newest checkpoint of ``folder`` if there is one; no evaluation."""
     config, _ = EXAMPLES[example]
-    extra = ["-o", f"data.options.root={data}"] if example == "operator" else []
+    extra = []
+    if example == "operator":  # its plateau rule and keep-best monitor evaluations: none here
+        extra = ["-o", f"data.options.root={data}", "-o", "schedule=[]"]
+        extra += ["-o", "checkpoint.options={}"]
     folder.mkdir(exist_ok=True)
     return ups(
         *("train", str(config), "--nproc", "1", *extra),

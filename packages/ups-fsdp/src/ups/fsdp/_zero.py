@@ -84,6 +84,21 @@ class ZeroStrategy(Strategy):
         # later save mixes in neither stale states nor a None (a parameter with no state yet).
         optimizer.load_state_dict({**state, "state": dict(state["state"])})
         optimizer.state.clear()
+        _steps_on_device(optimizer.optim)
+
+
+def _steps_on_device(local: torch.optim.Optimizer) -> None:
+    """Put back on its parameter's device (as float32) the ``step`` of every parameter of a
+    ``fused`` or ``capturable`` group of ``local``, as ``Optimizer.load_state_dict`` does:
+    ``ZeroRedundancyOptimizer.load_state_dict`` moves every 0-d state to the CPU, where a
+    fused CUDA AdamW refuses it at the next step (``state_steps is on cpu``)."""
+    for group in local.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for param in group["params"]:
+            step = local.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                local.state[param]["step"] = step.to(param.device, torch.float32)
 
 
 def zero(*, ctx: RunContext, config: Config, options: object) -> Strategy:
