@@ -41,11 +41,15 @@ def measured():
 
 
 def project(
-    folder: Path, guard: dict[str, Any], checkpoint: dict[str, Any] | None = None, **training: Any
+    folder: Path,
+    guard: dict[str, Any],
+    checkpoint: dict[str, Any] | None = None,
+    strategy: str = "ddp",
+    **training: Any,
 ) -> Path:
     """The tiny project (4 batches of 8 a rank an epoch on 2 ranks) for 2 epochs, reporting
     every 2 steps with :data:`MEASURED`'s metrics, Adam with a step LR schedule, with
-    ``training.guard: guard``."""
+    ``training.guard: guard``, under ``strategy``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "measured.py").write_text(MEASURED)
     return tiny_project(
@@ -53,6 +57,7 @@ def project(
         run={"log_every": 2},
         metrics={"factory": "measured.py:measured", "reduce": {"seen": "sum"}},
         checkpoint=checkpoint or {},
+        strategy={"name": strategy},
         training={
             "epochs": 2,
             "guard": guard,

@@ -11,6 +11,7 @@ on one process or another number of ranks, and a ``ddp`` one under ``zero``.
 
 from __future__ import annotations
 
+import copy
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -85,6 +86,27 @@ class ZeroStrategy(Strategy):
         optimizer.load_state_dict({**state, "state": dict(state["state"])})
         optimizer.state.clear()
         _steps_on_device(optimizer.optim)
+
+    def own_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """A copy of this rank's shard (its local optimizer's state) and of the groups'
+        hyperparameters that schedulers set, with no collective: the guard's snapshot."""
+        if not isinstance(optimizer, ZeroRedundancyOptimizer):
+            return super().own_optimizer_state(optimizer)
+        groups = [
+            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+        ]
+        return copy.deepcopy({"local": optimizer.optim.state_dict(), "groups": groups})
+
+    def load_own_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+    ) -> None:
+        """Put back what :meth:`own_optimizer_state` gave on this rank."""
+        if not isinstance(optimizer, ZeroRedundancyOptimizer):
+            super().load_own_optimizer_state(optimizer, state)
+            return
+        optimizer.optim.load_state_dict(copy.deepcopy(state["local"]))
+        for group, saved in zip(optimizer.param_groups, state["groups"], strict=True):
+            group.update(copy.deepcopy(saved))
 
 
 def _steps_on_device(local: torch.optim.Optimizer) -> None:

@@ -231,18 +231,8 @@ class Run:
         self.preemption = Preemption(ctx, signals)
 
     def _quarantine(self) -> Quarantine:
-        """The global steps to pass over: those of ``training.guard.quarantine``'s file.
-
-        :raises ConfigError: naming ``training.guard.action`` for a rollback under ``zero``,
-            whose optimizer state is gathered to save (no copy of this rank's alone).
-        """
+        """The global steps to pass over: those of ``training.guard.quarantine``'s file."""
         quarantine, guard = Quarantine(), self.config.training.guard
-        if guard is not None and guard.action == "rollback" and self.config.strategy.name == "zero":
-            raise ConfigError(
-                "training.guard.action",
-                "rollback is not available under strategy 'zero' (its optimizer state is "
-                "sharded and gathered to save): use skip or stop, or strategy ddp or fsdp",
-            )
         if guard is not None and guard.quarantine is not None:
             quarantine.read(Path(guard.quarantine), "training.guard.quarantine")
         return quarantine

@@ -2,9 +2,11 @@
 what a checkpoint holds, and putting it back.
 
 A snapshot is this rank's own copies, taken with no collective: the model's ``state_dict()``
-(under a sharded strategy, this rank's shards) and the optimizer's, the scheduler, the scaler,
-the schedule, the position in the data, the comm hook's and the plugins' states, the
-generators, the EMA, and the loss window since the last report. Every rank takes one at the
+(under a sharded strategy, this rank's shards), the optimizer state this rank holds (the
+strategy's :meth:`~ups.core.engine._strategy.Strategy.own_optimizer_state`: under ``zero``,
+its shard), the scheduler, the scaler, the schedule, the position in the data, the comm
+hook's and the plugins' states, the generators, the EMA, and the loss window since the last
+report. Every rank takes one at the
 same steps and restores it together, so the ranks stay one run.
 """
 
@@ -61,7 +63,7 @@ def take(
     return Snapshot(
         position=position,
         model=_cloned(state.model.state_dict()),
-        optimizer=copy.deepcopy(state.optimizer.state_dict()),
+        optimizer=state.strategy.own_optimizer_state(state.optimizer),
         scheduler=copy.deepcopy(state.scheduler.state_dict()) if state.scheduler else {},
         scaler=state.scaler.state_dict(),
         schedule=copy.deepcopy(state.schedule.state_dict()),
@@ -82,7 +84,7 @@ def restore(
     snapshot stays as it was, for another rollback) and tell the loop where to go on, as a
     resume does (the epoch entered again at the snapshot's place, the generators set then)."""
     state.model.load_state_dict(_cloned(snapshot.model))
-    state.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
+    state.strategy.load_own_optimizer_state(state.optimizer, snapshot.optimizer)
     state.optimizer.zero_grad(set_to_none=True)
     if state.scheduler is not None:
         state.scheduler.load_state_dict(copy.deepcopy(snapshot.scheduler))

@@ -15,6 +15,7 @@ needs no process group.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -155,6 +156,19 @@ class Strategy:
         """Load a full state that :meth:`optimizer_state` gave (under any strategy, at any
         number of ranks) into ``optimizer``."""
         optimizer.load_state_dict(dict(state))
+
+    def own_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """A copy of the optimizer state this rank holds, taken with no collective: what the
+        guard's in-memory snapshot keeps (``training.guard.action: rollback``), for
+        :meth:`load_own_optimizer_state` on the same rank of the same run."""
+        return copy.deepcopy(optimizer.state_dict())
+
+    def load_own_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+    ) -> None:
+        """Put back what :meth:`own_optimizer_state` gave (copied again: ``state`` stays as it
+        was, for another rollback)."""
+        optimizer.load_state_dict(copy.deepcopy(dict(state)))
 
     @contextlib.contextmanager
     def evaluating(self, model: nn.Module) -> Iterator[None]:
