@@ -1,18 +1,22 @@
 """The training guard (``training.guard``) on real gloo ranks, with faults injected through
 ``UPS_FAULTS``: a step whose gradient norm is not finite or spikes is skipped by every rank,
-or stops every rank with the same line; nothing detected, the run is bitwise the guard-off run,
-with no collective added."""
+or stops every rank with the same line, each bad step recorded in ``guard.jsonl`` and handed to
+``ups_guard_record`` on rank 0; nothing detected, the run is bitwise the guard-off run, with no
+collective added."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
 
 from ups.core import ConfigError, RunContext, load_config, load_plugins
 from ups.core.config._config import GuardConfig
@@ -21,6 +25,7 @@ from ups.core.engine._faults import ENV
 from ups.core.testing import (
     assert_bitwise_equal,
     counting_all_reduces,
+    install_plugin,
     read_checkpoint,
     run_ranks,
     run_ups,
@@ -226,6 +231,9 @@ def test_more_skips_than_the_budget_in_the_window_stop_every_rank(
         f"step {step}: the gradient norm is nan (not finite) ({max_skips + 1} bad steps in the "
         f"last 10, over training.guard.max_skips: {max_skips}); the loss was not finite on rank 1"
     )
+    records = guard_records(tmp_path / "runs" / "tiny")
+    assert [r["action"] for r in records] == ["skip"] * max_skips + ["stop"]
+    assert records[-1]["reason"] in message
 
 
 @pytest.mark.slow
@@ -265,6 +273,110 @@ def test_ups_train_prints_the_stop_as_one_line(
     assert "step 2: the gradient norm is nan (not finite)" in said[0]
     assert "the loss was not finite on rank 1" in said[0]
     assert run.returncode == 2  # a StepError, as a loss that is not finite at a report
+
+
+RECORDER = '''"""Appends each guard record it is handed, with its rank, to $GUARD_RECORDS."""
+import json
+import os
+
+from ups.core import hookimpl
+
+
+@hookimpl
+def ups_guard_record(ctx, record):
+    with open(os.environ["GUARD_RECORDS"], "a") as file:
+        file.write(json.dumps({"rank": ctx.rank, "record": record}) + "\\n")
+'''
+
+
+def recorded(ctx: RunContext, config_path: Path, site: Path) -> dict[str, Any]:
+    """:func:`ended`, with the plugins of ``site`` (:data:`RECORDER`'s) found too."""
+    sys.path.insert(0, str(site))
+    return ended(ctx, config_path)
+
+
+def guard_records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "guard.jsonl").read_text().splitlines()]
+
+
+def drawn(seed: int, rank: int, first: int, last: int) -> list[int]:
+    """The sample indices of batches ``first`` to ``last`` (of 8) of ``rank``'s share of the
+    first epoch of 64 samples on 2 ranks, as the ``torch`` sampler deals them."""
+    sampler = DistributedSampler(range(64), num_replicas=2, rank=rank, seed=seed)
+    sampler.set_epoch(0)
+    return list(sampler)[(first - 1) * 8 : last * 8]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("action", "accumulation"), [("skip", 1), ("skip", 2), ("stop", 1)])
+def test_every_bad_step_is_recorded_in_guard_jsonl_and_handed_to_the_hook_on_rank_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str, accumulation: int
+) -> None:
+    """The NaN on rank 1 at attempt 2: its record names the step, its epoch and batches, the
+    action, each rank's finiteness, sample indices (as the sampler dealt them) and their tasks
+    (the two-task data: a sample's task is its index's parity); rank 0 alone hands it to
+    ``ups_guard_record``, once, the same as the line written."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site, "ups-recorder", "ups_recorder_plugin", RECORDER)
+    monkeypatch.setenv("GUARD_RECORDS", str(tmp_path / "handed.jsonl"))
+    monkeypatch.setenv(ENV, "nan@1:2")
+    config = tiny_project(
+        tmp_path,
+        model={"factory": "torch.nn:Linear", "options": {"in_features": 4, "out_features": 1}},
+        data={"factory": "ups.core.testing:two_task_dataset", "tasks": ["plus", "minus"]},
+        training={"guard": {"action": action}, "accumulation_steps": accumulation},
+    )
+    ends = run_ranks(recorded, 2, config, site)
+    assert ("error" in ends[0]) == (action == "stop")
+    (record,) = guard_records(tmp_path / "runs" / "tiny")
+    first, last = accumulation + 1, 2 * accumulation
+    assert {k: v for k, v in record.items() if k != "ranks"} == {
+        "step": 2,
+        "epoch": 1,
+        "batches": [first, last],
+        "action": action,
+        "reason": "the gradient norm is nan (not finite)"
+        + (" (training.guard.action: stop)" if action == "stop" else ""),
+    }
+    seed = load_config(config).run.seed
+    indices = [drawn(seed, rank, first, last) for rank in (0, 1)]
+    assert record["ranks"] == [
+        {
+            "rank": rank,
+            "finite": rank == 0,
+            "tasks": [("plus", "minus")[task] for task in sorted({i % 2 for i in indices[rank]})],
+            "indices": indices[rank],
+        }
+        for rank in (0, 1)
+    ]
+    handed = [json.loads(line) for line in (tmp_path / "handed.jsonl").read_text().splitlines()]
+    assert handed == [{"rank": 0, "record": record}]
+
+
+@pytest.mark.slow
+def test_a_skip_killed_and_resumed_ends_bitwise_as_the_unkilled_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The NaN on rank 1 at attempt 3 is skipped; rank 0 killed at attempt 5, the restarted
+    job resumes from the checkpoint of step 2 and passes over the skipped step, read from its
+    own ``guard.jsonl``, with no LR cut (the skip made none): the run ends bitwise as the run
+    never killed."""
+    guard = {"action": "skip", "lr_factor": 0.5, "lr_steps": 3}
+    scheduled = {"scheduler": "StepLR", "scheduler_options": {"step_size": 1, "gamma": 0.9}}
+    monkeypatch.setenv(ENV, "nan@1:3")
+    unkilled = run_ranks(ended, 2, project(tmp_path / "unkilled", guard, **scheduled))[0]
+    assert unkilled["steps"] == 7
+    config = project(tmp_path / "killed", guard, checkpoint={"every_steps": 2}, **scheduled)
+    monkeypatch.setenv(ENV, "nan@1:3;kill@0:5")
+    run = run_ups("train", str(config), "--nproc", "2", "--max-restarts", "1", timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "restarted by the launcher: resuming" in run.stderr, run.stderr[-3000:]
+    run_dir = tmp_path / "killed" / "runs" / "tiny"
+    assert [r["action"] for r in guard_records(run_dir)] == ["skip"]
+    killed = read_checkpoint(run_dir / "checkpoints" / "step-7")["state"]
+    for part in ("model", "optimizer", "scheduler"):
+        assert_bitwise_equal(killed[part], unkilled["state"][part], part)
 
 
 def own_loop_verdicts(ctx: RunContext, action: str) -> list[str]:

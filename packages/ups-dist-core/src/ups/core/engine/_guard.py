@@ -11,9 +11,10 @@ norms, once ``warmup_steps`` were accepted. Under fp16 the gradient scaler skips
 gradients are not finite already: the guard leaves them to it and counts them.
 
 Only once a step is bad do the ranks tell each other more (one ``all_gather_object``): whose
-loss was not finite, and the tasks of their batches, for the message a stop raises; for a
-rollback, their batches' sample indices too, for the quarantine (``guard.jsonl``, which a later
-run's ``quarantine`` reads: :class:`Quarantine`).
+loss was not finite, the tasks of their batches and their sample indices, for the record of the
+step (:meth:`Guard.record`), whatever the action: appended to ``guard.jsonl`` in the run folder
+(which a resumed run, or a later run's ``quarantine``, reads: :class:`Quarantine`) and handed
+to the ``ups_guard_record`` hook on rank 0, before a stop's error propagates.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from __future__ import annotations
 import collections
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, NoReturn
 
 import structlog
 import torch
@@ -73,9 +74,11 @@ def _shown(indices: Sequence[int]) -> str:
     return f"[{', '.join(map(str, indices[:SHOWN]))}]{more}"
 
 
-class RollingBack(Exception):  # noqa: N818 (a signal to the loop, not an error)
-    """The guard rolls the run back (``training.guard.action: rollback``): raised on every rank
-    by :meth:`Guard.act`, for the loop to restore its snapshot."""
+class BadStep(Exception):  # noqa: N818 (a signal to the loop, not an error)
+    """The guard acts on bad step ``step``: raised on every rank by :meth:`Guard.act`, for the
+    loop to record the step (:meth:`Guard.record`) and do what :attr:`action` says."""
+
+    action: ClassVar[Literal["skip", "rollback", "stop"]]
 
     def __init__(self, step: int, reason: str, mine: tuple[bool, list[int]]) -> None:
         super().__init__(f"step {step}: {reason}")
@@ -83,8 +86,43 @@ class RollingBack(Exception):  # noqa: N818 (a signal to the loop, not an error)
         """``mine``: whether this rank's losses were finite, and its batches' task ids."""
 
 
+class Skipping(BadStep):
+    """Every rank skips the step (``training.guard.action: skip``, within ``max_skips``)."""
+
+    action = "skip"
+
+
+class RollingBack(BadStep):
+    """Every rank rolls back (``training.guard.action: rollback``, within ``max_rollbacks``):
+    the loop restores its snapshot."""
+
+    action = "rollback"
+
+
+class Stopping(BadStep):
+    """Every rank stops (``training.guard.action: stop``, or past the budget of skips or
+    rollbacks): the loop raises :meth:`error` once the step is recorded."""
+
+    action = "stop"
+
+    def __init__(self, step: int, reason: str, mine: tuple[bool, list[int]], cause: str) -> None:
+        super().__init__(step, f"{reason} ({cause})", mine)
+
+    def error(self, said: str) -> GuardStoppedError:
+        """The error every rank raises, ``said`` naming the ranks and tasks (:meth:`Guard.said`)."""
+        return GuardStoppedError(f"step {self.step}: {self.reason}; {said}")
+
+
 FILE = "guard.jsonl"
-"""The quarantine's file in the run folder: one offending global step a line."""
+"""The guard's records in the run folder: one bad global step a line (:meth:`Guard.record`),
+the quarantine of a resumed run and of a later one's ``quarantine``."""
+
+WHAT = {
+    "skip": "guard: every rank skips the step",
+    "rollback": "guard: every rank rolls back, the step quarantined",
+    "stop": "guard: every rank stops",
+}
+"""Rank 0's log line on a bad step, by action."""
 
 
 class Quarantine:
@@ -93,10 +131,14 @@ class Quarantine:
     ``guard.jsonl`` files read."""
 
     def __init__(self) -> None:
-        self.held: set[tuple[int, int]] = set()
+        self.held: dict[tuple[int, int], bool] = {}
+        """The steps held, each with whether passing over it cuts the LR
+        (``training.guard.lr_factor``)."""
 
-    def read(self, path: Path, key: str) -> None:
+    def read(self, path: Path, key: str, *, own: bool = False) -> None:
         """Hold the steps that the ``guard.jsonl`` at ``path`` names (a missing file: none).
+        ``own``: the run's own file, read on resuming: a step it skipped is passed over as the
+        skip did, with no LR cut (every other step of a file cuts it, as a rollback's does).
 
         :raises ConfigError: naming ``key`` for a line that is not a step of a ``guard.jsonl``.
         """
@@ -105,20 +147,30 @@ class Quarantine:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             try:
                 record = json.loads(line)
-                self.held.add((int(record["epoch"]), int(record["batches"][0])))
+                step = (int(record["epoch"]), int(record["batches"][0]))
             except (ValueError, KeyError, TypeError, IndexError):
                 raise ConfigError(
                     key, f"line {number} of {path} is not a step of a guard.jsonl"
                 ) from None
+            self.held[step] = not (own and record.get("action") == "skip")
+
+    def hold(self, epoch: int, first: int) -> None:
+        """Hold the step whose first batch is ``first`` of epoch ``epoch`` (a rollback's),
+        passing over it cutting the LR."""
+        self.held[epoch, first] = True
 
     def holds(self, epoch: int, first: int) -> bool:
         """Whether the step whose first batch is ``first`` of epoch ``epoch`` is quarantined."""
         return (epoch, first) in self.held
 
+    def cuts(self, epoch: int, first: int) -> bool:
+        """Whether passing over that quarantined step cuts the LR."""
+        return self.held[epoch, first]
+
 
 class Guard:
     """One rank's guard: :meth:`check` each step's global gradient norm, :meth:`act` on a bad
-    one. ``tasks``: ``data.tasks``, to name task ids; ``scaled``: fp16's gradient scaler is on."""
+    one, and :meth:`record` it (the run's loop). ``tasks``: ``data.tasks``, to name task ids; ``scaled``: fp16's gradient scaler is on."""
 
     def __init__(
         self, config: GuardConfig, ctx: RunContext, *, tasks: Sequence[str] = (), scaled: bool
@@ -167,10 +219,14 @@ class Guard:
             return "step"
         try:
             self.act(self._attempts, self._attempts, reason, [(loss.detach().reshape(-1), None)])
-        except RollingBack:
-            self.rollbacks += 1
+        except Skipping as skipping:
+            self._log(skipping)
+            return "skip"
+        except RollingBack as rolling:
+            self._log(rolling)
             return "rollback"
-        return "skip"
+        except Stopping as stopping:
+            raise stopping.error(self.said(gathered(self.ctx, stopping.mine))) from None
 
     def state(self) -> tuple[float, int, int]:
         """What a snapshot keeps of the guard: the running average, its steps, the LR cut's."""
@@ -205,15 +261,15 @@ class Guard:
         attempt: int,
         reason: str,
         batches: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
-    ) -> None:
-        """Act on bad step ``step`` (the ``attempt``-th begun) on every rank together: count and
-        log a skip (return), or raise.
+    ) -> NoReturn:
+        """Act on bad step ``step`` (the ``attempt``-th begun) on every rank together, with no
+        collective: count a skip or a rollback within its budget, and raise the signal for
+        what every rank does.
 
         :param batches: each micro-batch's losses and task ids on this rank.
-        :raises RollingBack: with ``rollback``, within its budget.
-        :raises GuardStoppedError: with ``stop``, or past the budget of skips or rollbacks:
-            naming the step, the ranks whose loss was not finite and the tasks (gathered from
-            every rank: a collective, every rank raising the same).
+        :raises Skipping: with ``skip``, within ``max_skips``.
+        :raises RollingBack: with ``rollback``, within ``max_rollbacks``.
+        :raises Stopping: with ``stop``, or past the budget of skips or rollbacks.
         """
         c = self.config
         cause = "training.guard.action: stop"
@@ -229,30 +285,43 @@ class Guard:
                 else (c.max_rollbacks, "max_rollbacks")
             )
             if len(skips) <= budget and c.action == "rollback":
+                self.rollbacks += 1
                 raise RollingBack(step, reason, mine)
             if len(skips) <= budget:
                 self.skipped += 1
-                if self.ctx.is_main:
-                    log.warning("guard: every rank skips the step", step=step, reason=reason)
-                return
+                raise Skipping(step, reason, mine)
             cause = f"{len(skips)} bad steps in the last {c.window}, over training.guard.{name}: {budget}"
-        raise GuardStoppedError(
-            f"step {step}: {reason} ({cause}); {self._said(gathered(self.ctx, mine))}"
-        )
+        raise Stopping(step, reason, mine, cause)
 
-    def quarantine(
-        self, rolling: RollingBack, epoch: int, first: int, indices: list[list[int]], folder: Path
+    def record(
+        self,
+        bad: BadStep,
+        epoch: int,
+        first: int,
+        indices: Sequence[Sequence[int]],
+        folder: Path,
+        tell: Callable[[Mapping[str, Any]], None],
     ) -> dict[str, Any]:
-        """Record the step ``rolling`` names, its batches ``first`` on of epoch ``epoch`` and
-        this rank's ``indices`` of them, gathered over every rank (a collective): appended to
-        ``folder/guard.jsonl`` by rank 0 and logged; the record."""
-        finite, ids = rolling.mine
+        """Record the bad step ``bad`` names, its batches ``first`` on of epoch ``epoch`` (both
+        counted from 1) and this rank's sample ``indices`` of each, gathered over every rank
+        (one collective, every rank together): rank 0 appends the record to
+        ``folder/guard.jsonl``, logs it and hands it to ``tell`` (the ``ups_guard_record``
+        hook). The record: ``{step, epoch, batches: [first, last], action, reason, ranks:
+        [{rank, finite, tasks, indices}]}``.
+
+        :raises GuardStoppedError: on every rank, after the record, when ``bad`` is a stop:
+            naming the step, the ranks whose loss was not finite, the tasks, the batches and
+            their samples.
+        """
+        finite, ids = bad.mine
         every = gathered(self.ctx, (finite, ids, [i for batch in indices for i in batch]))
+        last = first + len(indices) - 1
         record = {
-            "step": rolling.step,
+            "step": bad.step,
             "epoch": epoch,
-            "batches": [first, first + len(indices) - 1],
-            "reason": rolling.reason,
+            "batches": [first, last],
+            "action": bad.action,
+            "reason": bad.reason,
             "ranks": [
                 {
                     "rank": rank,
@@ -263,24 +332,26 @@ class Guard:
                 for rank, (ok, tasks, drawn) in enumerate(every)
             ],
         }
-        self.rollbacks += 1
+        said = self.said(every)
         if self.ctx.is_main:
             with (folder / FILE).open("a") as file:
                 file.write(json.dumps(record) + "\n")
-            log.warning(
-                "guard: every rank rolls back, the step quarantined",
-                step=rolling.step,
-                reason=rolling.reason,
-                epoch=epoch,
-                batches=record["batches"],
-                said=self._said(every),
-            )
+            self._log(bad, epoch=epoch, batches=record["batches"], said=said)
+            tell(record)
+        if isinstance(bad, Stopping):
+            drawn = [drawn for _, _, drawn in every]
+            raise bad.error(said).at(epoch, first, last, drawn) from None
         return record
+
+    def _log(self, bad: BadStep, **more: Any) -> None:
+        """Rank 0's line on the bad step ``bad``, with ``more`` (the record's place)."""
+        if self.ctx.is_main:
+            log.warning(WHAT[bad.action], step=bad.step, reason=bad.reason, **more)
 
     def _task(self, task_id: int) -> str:
         return self.tasks[task_id] if 0 <= task_id < len(self.tasks) else str(task_id)
 
-    def _said(self, gathered: Sequence[tuple[Any, ...]]) -> str:
+    def said(self, gathered: Sequence[tuple[Any, ...]]) -> str:
         """Whose loss was not finite, and the tasks of the step's batches, over every rank."""
         ranks = [str(rank) for rank, (ok, *_) in enumerate(gathered) if not ok]
         said = "the loss was finite on every rank"

@@ -47,7 +47,7 @@ from ._ema import EMA, evaluate_beside
 from ._evaluation import evaluate, val_named
 from ._faults import FaultInjector
 from ._guard import FILE as GUARD_FILE
-from ._guard import Guard, GuardStoppedError, Quarantine, RollingBack, gathered
+from ._guard import BadStep, Guard, Quarantine, RollingBack
 from ._loader import Epoch, StepBatches
 from ._model import warm_start
 from ._optim import MONITOR, is_plateau, step_on_plateau
@@ -356,8 +356,8 @@ class Run:
         generators unless the loop restores them where it re-enters the epoch."""
         if self.restarted and self.ctx.is_main:
             log.info("restarted by the launcher: resuming", restarts=self.restarted)
-        if self.stepper.guard is not None:  # the steps this run quarantined before
-            self.quarantine.read(self.config.run_dir / GUARD_FILE, "training.guard")
+        if self.stepper.guard is not None:  # the bad steps this run recorded before
+            self.quarantine.read(self.config.run_dir / GUARD_FILE, "training.guard", own=True)
         self._resumed = self.state.resume()
         if self._resumed is not None:
             self.position = self._resumed.position
@@ -445,22 +445,22 @@ class Run:
             while left and self._more_steps():
                 group = min(self.schedule.accumulation_steps, left)
                 left -= group
-                if self.quarantine.holds(self.position.epoch, batches.taken + 1):
+                held = (self.position.epoch, batches.taken + 1)
+                if self.quarantine.holds(*held):
                     batches.pass_over(group)
                     self._at(batches, left, taken=False)
-                    self._cut_lr()
+                    if self.quarantine.cuts(*held):
+                        self._cut_lr()
                     continue
                 try:
                     taken = self.stepper.step(self.step + 1, batches, group)
-                except GuardStoppedError as stopped:  # name the step's batches, every rank's
-                    mine = [i for drawn in list(batches.recent)[-group:] for i in drawn]
-                    first, epoch = batches.taken - group + 1, self.position.epoch
-                    every = gathered(self.ctx, mine)  # every rank raises here, together
-                    raise stopped.at(epoch, first, batches.taken, every) from None
-                except RollingBack as rolling:
-                    self._roll_back(rolling, batches, group)
-                    rolled = True
-                    break
+                except BadStep as bad:  # every rank: recorded (a stop raises there), then done
+                    record = self._record(bad, batches, group)
+                    if isinstance(bad, RollingBack):
+                        self._roll_back(record["epoch"], record["batches"][0])
+                        rolled = True
+                        break
+                    taken = None  # skipped
                 self._at(batches, left, taken=taken is not None)
                 if taken is None:
                     continue  # every rank skipped the batch
@@ -487,16 +487,30 @@ class Run:
             self.state, self.position, self.reporter.window, self.metrics, guard.state()
         )
 
-    def _roll_back(self, rolling: RollingBack, batches: Epoch, group: int) -> None:
-        """Every rank together: quarantine the step ``rolling`` names (its ``group`` batches,
-        the last taken of ``batches``), restore the snapshot and go on from its position, as
-        a resume does; the reports after it superseded in ``metrics.jsonl``."""
+    def _record(self, bad: BadStep, batches: Epoch, group: int) -> dict[str, Any]:
+        """Every rank together: record the bad step ``bad`` names, its ``group`` batches (the
+        last taken of ``batches``), in ``guard.jsonl``, and hand the record to the
+        ``ups_guard_record`` hook (rank 0); a stop raises its error there, on every rank."""
+        guard = self.stepper.guard
+        assert guard is not None
+        first = batches.taken - group + 1
+        indices = list(batches.recent)[-group:]
+        return guard.record(
+            bad,
+            self.position.epoch,
+            first,
+            indices,
+            self.config.run_dir,
+            lambda record: self.hook.ups_guard_record(ctx=self.ctx, record=record),
+        )
+
+    def _roll_back(self, epoch: int, first: int) -> None:
+        """Every rank together: quarantine the step whose first batch is ``first`` of epoch
+        ``epoch``, restore the snapshot and go on from its position, as a resume does; the
+        reports after it superseded in ``metrics.jsonl``."""
         guard, snapshot = self.stepper.guard, self.snapshot
         assert guard is not None and snapshot is not None
-        epoch, first = self.position.epoch, batches.taken - group + 1
-        indices = list(batches.recent)[-group:]
-        guard.quarantine(rolling, epoch, first, indices, self.config.run_dir)
-        self.quarantine.held.add((epoch, first))
+        self.quarantine.hold(epoch, first)
         reporter, every = self.reporter, self.config.run.log_every
         reporter.finish(self.step)
         at = snapshot.position.step

@@ -9,7 +9,8 @@ rank it is on (:class:`Weights`). What fails before the synchronising backward i
 every rank (``training.skip_oom``): out of memory skips the step everywhere, anything else stops
 every rank naming the one that failed. What goes bad after it (a gradient norm that is not
 finite, or spikes) is judged alike on every rank by the :class:`~ups.core.engine._guard.Guard`
-(``training.guard``), which skips the step everywhere or stops every rank.
+(``training.guard``), which has every rank skip the step, roll back or stop (the run's loop
+records the step and does it).
 """
 
 from __future__ import annotations
@@ -408,7 +409,8 @@ class Stepper:
         sample weighed the same over all of them and all ranks (:class:`Weights`), then
         update; return the gradient norm before clipping (NaN when neither clipping nor
         guarding) and what each micro-batch adds to the metrics, or ``None`` when every rank
-        skipped the step: one ran out of memory, or the guard found it bad.
+        skipped the step: one ran out of memory. A step the guard finds bad raises its
+        :class:`~ups.core.engine._guard.BadStep` signal on every rank, nothing applied.
 
         The step's micro-batches are drawn before the first forward. What fails before the
         synchronising backward (loading, forward passes, the local backward passes) is agreed
@@ -455,12 +457,12 @@ class Stepper:
         grad_norm = self._grad_norm()
         guard = self.guard
         if guard is not None and (reason := guard.check(grad_norm)) is not None:
-            guard.act(number, self.attempts, reason, [(m.loss, m.task_ids) for m in micro.taken])
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler.is_enabled():  # unscaled, not stepped: its scale kept as it is
                 self.scaler.update(self.scaler.get_scale())
             self.timer.stop()
-            return None
+            # the signal of what every rank does, for the loop to record the step and do it
+            guard.act(number, self.attempts, reason, [(m.loss, m.task_ids) for m in micro.taken])
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

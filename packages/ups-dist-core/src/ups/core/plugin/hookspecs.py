@@ -199,6 +199,22 @@ def ups_checkpoint_restore(ctx: RunContext, state: Mapping[str, Any]) -> None:
 
 
 @hookspec
+def ups_guard_record(ctx: RunContext, record: Mapping[str, Any]) -> None:
+    """The training guard (``training.guard``) acted on a bad optimizer step and recorded it:
+    called on rank 0 only, once per record, right after it is appended to the run folder's
+    ``guard.jsonl``; for a stop, before the run's error propagates (``ups_error`` follows).
+
+    :param ctx: rank 0's run context.
+    :param record: plain JSON data, the line written: ``step`` (the global step attempted),
+        ``epoch`` (counted from 1), ``batches`` (``[first, last]``: the step's batches in each
+        rank's share of the epoch, counted from 1), ``action`` (``skip``, ``rollback`` or
+        ``stop``), ``reason`` (why the step is bad, and why a stop stopped), and ``ranks``:
+        for each rank, ``{rank, finite, tasks, indices}``: whether its losses were finite,
+        the tasks of its batches (``data.tasks`` names) and its batches' sample indices.
+    """
+
+
+@hookspec
 def ups_run_end(ctx: RunContext, result: TrainResult) -> None:
     """Training finished normally.
 
