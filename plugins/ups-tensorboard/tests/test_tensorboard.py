@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from ups.core import Config, RunContext, load_config, load_plugins
 from ups.core.engine import train_rank
 from ups.core.testing import run_ranks, run_ups, tiny_project, tracker_metrics
-from ups_tensorboard import plugin, tag
+from ups_tensorboard import plugin, record_markdown, tag
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
@@ -71,6 +71,40 @@ def test_every_report_per_task_with_bytes_and_throughput(run_dir: Path) -> None:
     assert found["eval/loss/minus"] == [
         (r["step"], pytest.approx(r["loss/minus"], rel=1e-6)) for r in evals
     ]
+
+
+def texts(folder: Path, name: str) -> list[tuple[int, str]]:
+    """The text ``name`` at each step, as TensorBoard reads it back."""
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [
+        (e.step, e.tensor_proto.string_val[0].decode())
+        for e in events.Tensors(f"{name}/text_summary")
+    ]
+
+
+@pytest.mark.slow  # two runs on 2 ranks
+@pytest.mark.parametrize(("action", "attempt"), [("skip", 1), ("rollback", 3)])
+def test_a_guard_record_is_the_text_guard_at_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str, attempt: int
+) -> None:
+    """The NaN planted on rank 1 at ``attempt``: its record (``guard.jsonl``) as Markdown, the
+    text ``guard`` at its step: a skip at step 1, held until the first report (step 2) opens
+    the event file; a rollback at step 3, before the replay from step 2."""
+    monkeypatch.setenv("UPS_FAULTS", f"nan@1:{attempt}")
+    guard = {"action": action, "snapshot_every": 2}
+    config = load_config(tiny_project(tmp_path, training={"epochs": 2, "guard": guard}))
+    run_ranks(_train, 2, config)
+    lines = (config.run_dir / "guard.jsonl").read_text().splitlines()
+    (record,) = map(json.loads, lines)
+    assert (record["action"], record["step"]) == (action, attempt)
+    found = texts(config.run_dir / "tensorboard", "guard")
+    assert found == [(attempt, record_markdown(record))]
+    shown = found[0][1]
+    assert shown.startswith(
+        f"**step {attempt}** ({action}): the gradient norm is nan (not finite);"
+    )
+    assert "| 1 | False |" in shown and ", ".join(map(str, record["ranks"][1]["indices"])) in shown
 
 
 def test_the_installed_entry_point_is_found() -> None:

@@ -10,6 +10,10 @@ optimizer step. The tags group them:
 - ``throughput/NAME``: ``samples_per_s``, ``tokens_per_s``, ``tflops``, ``mfu``, ``step_time_s``;
 - ``eval/NAME``: the evaluation's loss and each task's.
 
+Every bad step the training guard records (``training.guard``, ``ups_guard_record``) is the
+text ``guard`` at its step: a Markdown line of the step, its batches, the action and the
+reason, and a table of each rank's finiteness, tasks and sample indices.
+
 Installing the distribution enables it for every run; ``UPS_BLOCK_PLUGINS=tensorboard``
 disables it.
 """
@@ -20,7 +24,7 @@ import importlib.util
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
@@ -54,6 +58,29 @@ def tag(kind: Literal["train", "eval"], name: str) -> str:
     return f"{GROUPS.get(name, 'train')}/{name}" if kind == "train" else f"eval/{name}"
 
 
+GUARD_TAG = "guard"
+"""The text tag of the guard's records."""
+
+
+def record_markdown(record: Mapping[str, Any]) -> str:
+    """A guard record (``ups_guard_record``) as TensorBoard's text shows it: one line, then a
+    table of the ranks."""
+    first, last = record["batches"]
+    batches = f"batch {first}" if first == last else f"batches {first}-{last}"
+    lines = [
+        f"**step {record['step']}** ({record['action']}): {record['reason']}; "
+        f"epoch {record['epoch']}, {batches} of each rank's share",
+        "",
+        "| rank | finite | tasks | indices |",
+        "|---|---|---|---|",
+    ]
+    for rank in record["ranks"]:
+        tasks = ", ".join(rank["tasks"])
+        indices = ", ".join(map(str, rank["indices"]))
+        lines.append(f"| {rank['rank']} | {rank['finite']} | {tasks} | {indices} |")
+    return "\n".join(lines)
+
+
 class TensorBoardLogger:
     """Rank 0's writer for one run; on the other ranks every method does nothing.
 
@@ -66,9 +93,12 @@ class TensorBoardLogger:
     def __init__(self) -> None:
         self.writer: SummaryWriter | None = None
         self.folder: Path | None = None
+        self.held: list[Mapping[str, Any]] = []
+        """Guard records handed before the first report, written once it opens the file."""
 
     def start(self, ctx: RunContext, folder: Path) -> None:
         """Write the run's events in ``folder`` (rank 0), from its first report on."""
+        self.held = []
         if ctx.is_main:
             self.folder = folder
             log.info("tensorboard", logdir=str(folder))
@@ -77,21 +107,42 @@ class TensorBoardLogger:
         self, kind: Literal["train", "eval"], step: int, metrics: Mapping[str, float]
     ) -> None:
         """Write one report's metrics at ``step``; NaN (a loss not measured) is left out."""
-        if self.writer is None:
-            if self.folder is None:
-                return
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=step)
+        writer = self._open(step)
+        if writer is None:
+            return
         for name, value in metrics.items():
             if not math.isnan(value):
-                self.writer.add_scalar(tag(kind, name), value, global_step=step)
+                writer.add_scalar(tag(kind, name), value, global_step=step)
+
+    def guard(self, record: Mapping[str, Any]) -> None:
+        """Write a guard record as the text ``guard`` at its step; held until the first
+        report opens the file (its purge step)."""
+        if self.folder is None:
+            return
+        if self.writer is None:
+            self.held.append(record)
+            return
+        self.writer.add_text(GUARD_TAG, record_markdown(record), global_step=record["step"])
 
     def close(self) -> None:
-        """Flush and close the event file, if open."""
+        """Flush and close the event file (opened first for the guard records still held)."""
+        if self.held:
+            self._open(self.held[0]["step"])
         if self.writer is not None:
             self.writer.close()
         self.writer = self.folder = None
+
+    def _open(self, step: int) -> SummaryWriter | None:
+        """The event file, opened at the first report (``step``), purging from there; the
+        guard records held written into it. ``None`` on the other ranks."""
+        if self.writer is None and self.folder is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=step)
+            held, self.held = self.held, []
+            for record in held:
+                self.guard(record)
+        return self.writer
 
 
 _logger = TensorBoardLogger()
@@ -110,6 +161,11 @@ def ups_step_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> No
 @hookimpl
 def ups_eval_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> None:
     _logger.scalars("eval", step, metrics)
+
+
+@hookimpl
+def ups_guard_record(ctx: RunContext, record: Mapping[str, Any]) -> None:
+    _logger.guard(record)
 
 
 @hookimpl
