@@ -245,12 +245,19 @@ def all_mean(ctx: RunContext, values: torch.Tensor) -> torch.Tensor:
 
 def all_max(ctx: RunContext, value: int) -> int:
     """The largest of every rank's ``value`` (``value`` itself if not distributed)."""
+    return all_range(ctx, value)[1]
+
+
+def all_range(ctx: RunContext, value: int) -> tuple[int, int]:
+    """The smallest and the largest of every rank's ``value``, in one all-reduce (``value``
+    twice if not distributed)."""
     if not ctx.distributed:
-        return value
+        return value, value
     device = _object_device(ctx, None) or torch.device("cpu")
-    largest = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return int(largest.item())
+    both = torch.tensor([-value, value], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    least, most = both.tolist()
+    return -least, most
 
 
 def _object_device(ctx: RunContext, group: dist.ProcessGroup | None) -> torch.device | None:

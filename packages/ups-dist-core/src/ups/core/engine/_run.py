@@ -29,7 +29,7 @@ from ..checkpoint._best import KEY as KEEP_BEST
 from ..checkpoint._best import STAGE, admit, keep_best
 from ..config._config import Config
 from ..config._errors import ConfigError
-from ..dist._collectives import all_max, decide
+from ..dist._collectives import all_max, all_range, decide
 from ..dist._context import RunContext
 from ..dist._desync import check_in_sync
 from ..dist._preemption import Preemption
@@ -545,7 +545,7 @@ class Run:
         """Refuse an epoch whose ranks would take other numbers of optimizer steps (every step
         all-reduces across the ranks) or, under a strategy whose every pass gathers from every
         rank (``fsdp``), of ``batches``: a rank with fewer would stop while the others wait
-        in a collective, or meet another one. Two all-reduces of a number, once an epoch.
+        in a collective, or meet another one. One all-reduce of two numbers, once an epoch.
 
         :raises ConfigError: on every rank, naming ``sampler.name``.
         """
@@ -556,7 +556,7 @@ class Run:
         if not self.parts.local_passes:
             count, what = batches, "batches"
             why = f"under strategy {self.config.strategy.name!r} each pass gathers parameters"
-        most, least = all_max(self.ctx, count), -all_max(self.ctx, -count)
+        least, most = all_range(self.ctx, count)
         if most != least:
             raise ConfigError(
                 "sampler.name",
