@@ -5,14 +5,13 @@ bit) or on one process, and each rank holds about half the parameters of ``ddp``
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from core_tests import core_tests, loaded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -24,19 +23,8 @@ from ups.core.engine import train_rank
 from ups.core.plugin._manager import AUTOLOAD_ENV, load_plugins
 from ups.core.testing import assert_bitwise_equal, assert_params_close, read_checkpoint, run_ranks
 
-
-def _weighting() -> types.ModuleType:
-    """ups-dist-core's weighting tests: their configs, model and data, and the ``Lopsided``
-    sampler giving ranks unequal counts."""
-    path = Path(__file__).resolve().parents[2] / "ups-dist-core/tests/test_core_weighting.py"
-    spec = importlib.util.spec_from_file_location("ups_core_weighting_tests", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-weighting = _weighting()
+weighting = core_tests("test_core_weighting")
+"""Their configs, model and data, and the ``Lopsided`` sampler giving ranks unequal counts."""
 WORLD = 2
 Params = dict[str, torch.Tensor]
 
@@ -238,11 +226,7 @@ def fsdp_strategy(ctx: RunContext, each: Config) -> Any:
 
 def weighting_model(outputs: int = 2) -> nn.Module:
     """``weighting``'s model: ``Linear(4, 8)``, ``Tanh``, ``Linear(8, outputs)``."""
-    build = importlib.util.spec_from_file_location("ups_weighing_factories", weighting.FACTORIES)
-    assert build is not None and build.loader is not None
-    module = importlib.util.module_from_spec(build)
-    build.loader.exec_module(module)
-    return module.build_model(outputs)  # type: ignore[no-any-return]
+    return loaded(weighting.FACTORIES).build_model(outputs)  # type: ignore[no-any-return]
 
 
 @pytest.mark.slow

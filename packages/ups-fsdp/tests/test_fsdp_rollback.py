@@ -6,30 +6,18 @@ quarantine, as under ``ddp`` (ups-dist-core's test_core_rollback.py, whose proje
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+from core_tests import core_tests
 
 from ups.core import RunContext
 from ups.core.engine._faults import ENV
 from ups.core.testing import run_ranks
 
-
-def _rollback_tests() -> types.ModuleType:
-    """ups-dist-core's rollback tests: their project, their run and their comparison."""
-    path = Path(__file__).resolve().parents[2] / "ups-dist-core/tests/test_core_rollback.py"
-    spec = importlib.util.spec_from_file_location("ups_core_rollback_tests", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-rollback = _rollback_tests()
+rollback = core_tests("test_core_rollback")
 
 
 def ended(ctx: RunContext, config_path: Path) -> dict[str, Any]:
