@@ -203,6 +203,35 @@ def test_a_dead_tracking_server_costs_one_warning_and_no_training(
     assert [r["step"] for r in trained if r["kind"] == "train"] == [2, 4, 6, 8]
 
 
+@pytest.mark.slow  # a run on 2 ranks
+def test_every_guard_record_so_far_is_the_runs_artifact_guard_jsonl(
+    store: MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NaNs planted on rank 1 at attempts 3 and 5, skipped: the artifact ``guard.jsonl`` holds
+    both records, as the run folder's does, read back from the store."""
+    monkeypatch.setenv("UPS_FAULTS", "nan@1:3,5")
+    name = experiment(store, tmp_path)
+    config = load_config(
+        tiny_project(
+            tmp_path,
+            training={"epochs": 2, "guard": {"action": "skip"}},
+            plugins={"mlflow": {"tracking_uri": store.tracking_uri, "experiment": name}},
+        )
+    )
+    assert run_ranks(_train, 2, config) == [6, 6]
+    run = the_run(store, name)
+    assert {a.path for a in store.list_artifacts(run.info.run_id)} == {
+        "guard.jsonl",
+        "report.png",
+        "summary.txt",
+    }
+    logged = Path(store.download_artifacts(run.info.run_id, "guard.jsonl", str(tmp_path)))
+    records = [json.loads(line) for line in logged.read_text().splitlines()]
+    assert [(r["step"], r["action"]) for r in records] == [(3, "skip"), (4, "skip")]
+    assert logged.read_text() == (config.run_dir / "guard.jsonl").read_text()
+    assert [r["finite"] for r in records[0]["ranks"]] == [True, False]
+
+
 def test_ups_validate_checks_the_section(tmp_path: Path) -> None:
     config = tiny_project(tmp_path, plugins={"mlflow": {"experiment": 3}})
     result = run_ups("validate", str(config), cwd=tmp_path)

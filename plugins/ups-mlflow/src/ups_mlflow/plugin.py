@@ -5,7 +5,9 @@ Rank 0 alone logs, into one MLflow run per training run, when the config has a
 ``plugins.mlflow`` section: the resolved config as params (dotted keys), every training report
 and evaluation as metrics ``train/NAME`` and ``eval/NAME`` at their optimizer step, the run's
 name and tags, and at the end the summary (tags ``ups.*``, ``summary.txt``) and the report's
-figure (``report.png``) as artifacts, into the experiment's artifact location (for an
+figure (``report.png``) as artifacts, and each time the training guard records a bad step
+(``ups_guard_record``) the run folder's records so far (the artifact ``guard.jsonl``), into
+the experiment's artifact location (for an
 experiment the plugin creates: ``artifact_location``, else ``mlartifacts`` beside an SQLite
 store's database). The MLflow run's id is kept in ``RUN_DIR/mlflow.json``: a run that resumes
 from a checkpoint continues the same MLflow run, which then holds each step once; a param the
@@ -70,6 +72,9 @@ RESUMED = re.compile(r"resumed_(\d+)_at_(\d+)\.(.+)")
 ``resumed_N_at_STEP.KEY``, its value from then on."""
 ARTIFACTS = "mlartifacts"
 """Beside an SQLite store's database: the artifacts of the experiments the plugin creates."""
+GUARD_FILE = "guard.jsonl"
+"""In the run folder: the training guard's records, one bad step a line; logged as the run's
+artifact of that name."""
 
 
 @attrs.frozen(kw_only=True)
@@ -155,6 +160,16 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=batch)
 
         self._call("log metrics", log_batch)
+
+    def guard(self) -> None:
+        """The guard recorded a bad step: log the run folder's records so far (the one just
+        written last) as the artifact ``guard.jsonl``, replacing the one logged before."""
+
+        def log_records() -> None:
+            assert self.config is not None
+            self.client.log_artifact(self.run_id, str(self.config.run_dir / GUARD_FILE))
+
+        self._call("log the guard's records", log_records)
 
     def end(self, result: TrainResult) -> None:
         """Log the summary and the report, and end the MLflow run."""
@@ -370,6 +385,11 @@ def ups_step_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> No
 @hookimpl
 def ups_eval_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> None:
     _tracker.metrics("eval", step, metrics)
+
+
+@hookimpl
+def ups_guard_record(ctx: RunContext) -> None:
+    _tracker.guard()
 
 
 @hookimpl
