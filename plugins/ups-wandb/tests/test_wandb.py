@@ -34,7 +34,7 @@ from ups.core.testing import (
     torchrun_env,
     tracker_metrics,
 )
-from ups_wandb import ID_FILE, plugin
+from ups_wandb import GUARD_COLUMNS, GUARD_KEY, ID_FILE, guard_row, plugin
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
 BLOCK = 32768
@@ -147,6 +147,42 @@ def test_two_ranks_log_one_run_holding_exactly_metrics_jsonl(two_ranks: Config) 
     }
     assert summary["ups/steps"] == 4
     assert (files[0].parent / "files" / "report.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # a run on 2 ranks
+def test_a_guard_record_is_a_row_of_the_table_guard_records_at_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The NaN planted on rank 1 at attempt 3, skipped, reporting every step: the table is
+    logged at step 3, its row the record of ``guard.jsonl``; the report of step 2, which
+    reaches the plugin after the record, is not dropped: the history is ``metrics.jsonl``'s."""
+    monkeypatch.setenv("UPS_FAULTS", "nan@1:3")
+    config = load_config(
+        tiny_project(
+            tmp_path,
+            run={"log_every": 1},
+            training={"epochs": 2, "guard": {"action": "skip"}},
+            plugins={"wandb": {"project": "tests", "mode": "offline"}},
+        )
+    )
+    assert run_ranks(_train, 2, config) == [7, 7]
+    files = offline_runs(config.run_dir)
+    found = history(files)
+    # the table's reference, flattened in the history row: guard/records/path, .../_type, ...
+    logged = {k: found.pop(k) for k in list(found) if k.startswith(f"{GUARD_KEY}/")}
+    assert found == tracker_metrics(config.run_dir)
+    assert logged[f"{GUARD_KEY}/_type"] == [(3, "table-file")]
+    ((_, path),) = logged[f"{GUARD_KEY}/path"]
+    table = json.loads((files[0].parent / "files" / path).read_text())
+    (record,) = [
+        json.loads(line) for line in (config.run_dir / "guard.jsonl").read_text().splitlines()
+    ]
+    assert table["columns"] == list(GUARD_COLUMNS)
+    assert table["data"] == [guard_row(record)]
+    row = dict(zip(GUARD_COLUMNS, table["data"][0], strict=True))
+    assert (row["step"], row["first batch"], row["action"]) == (3, 3, "skip")
+    assert json.loads(row["ranks not finite"]) == [1]
+    assert json.loads(row["indices"]) == [r["indices"] for r in record["ranks"]]
 
 
 @pytest.mark.slow  # two `ups train` processes

@@ -12,6 +12,12 @@ continued run therefore first logs again what ``metrics.jsonl`` held when it res
 W&B keeps what it received and ignores steps before its last). Inside a trial of
 ``ups sweep`` (ups-optuna), the run's group is the study.
 
+Each bad step the training guard records (``ups_guard_record``) adds a row to the table
+``guard/records`` (every record so far), logged at the record's step. W&B drops what is logged
+at a step before its last, and a report reaches the plugin one step after its own: a record
+is held until the first report at or after its step (or the run's end), then logged just
+before it, so no report is dropped for it.
+
 W&B failing (no network, a bad key, a server down) never stops training: one warning (the
 error and its root cause on one line), and the plugin logs nothing more for the run; the
 metrics stay in ``metrics.jsonl``. A server that does not answer costs ``init_timeout_s``, no
@@ -57,6 +63,36 @@ ENV_DEFAULTS = {"WANDB_ERROR_REPORTING": "false"}
 not answer held the process's exit about 12 s. With ``quiet`` (no "logged in as" line, whose
 account lookup waited 10 s before ``init_timeout_s`` began), a server that does not answer
 costs ``init_timeout_s``; the plugin logs the run's URL itself."""
+GUARD_KEY = "guard/records"
+"""The key of the table of the guard's records."""
+GUARD_COLUMNS = (
+    "step",
+    "epoch",
+    "first batch",
+    "last batch",
+    "action",
+    "reason",
+    "ranks not finite",
+    "tasks",
+    "indices",
+)
+"""The columns of :data:`GUARD_KEY`'s table, one row a record (:func:`guard_row`)."""
+
+
+def guard_row(record: Mapping[str, Any]) -> list[Any]:
+    """A guard record (``ups_guard_record``) as a row of :data:`GUARD_COLUMNS`: the ranks whose
+    loss was not finite, each rank's tasks and sample indices as JSON text."""
+    ranks = record["ranks"]
+    return [
+        record["step"],
+        record["epoch"],
+        *record["batches"],
+        record["action"],
+        record["reason"],
+        json.dumps([r["rank"] for r in ranks if not r["finite"]]),
+        json.dumps([r["tasks"] for r in ranks]),
+        json.dumps([r["indices"] for r in ranks]),
+    ]
 
 
 @attrs.frozen(kw_only=True)
@@ -87,11 +123,15 @@ class WandbTracker:
         self.resumed: list[dict[str, Any]] | None = None
         """When the run resumed: the reports ``metrics.jsonl`` held then."""
         self.run: Any = None
+        self.held: list[Mapping[str, Any]] = []
+        """Guard records not logged yet: each waits for a report at or after its step."""
+        self.rows: list[list[Any]] = []
+        """The rows of the guard's table logged so far."""
 
     def start(self, ctx: RunContext, config: Config) -> None:
         """Take a new run's config (rank 0, with a ``plugins.wandb`` section)."""
         self.config = config if ctx.is_main and "wandb" in config.plugins else None
-        self.resumed, self.run = None, None
+        self.resumed, self.run, self.held, self.rows = None, None, [], []
 
     def resume(self) -> None:
         """The run resumes from a checkpoint: keep the reports made before, to log again."""
@@ -104,14 +144,27 @@ class WandbTracker:
     def metrics(
         self, kind: Literal["train", "eval"], step: int, values: Mapping[str, float]
     ) -> None:
-        """Log one report's metrics as ``KIND/NAME`` at ``step``; NaN (not measured) left out."""
-        self._call("log metrics", lambda: _log(self.run, kind, step, values))
+        """Log one report's metrics as ``KIND/NAME`` at ``step``, after the guard records held
+        up to ``step``; NaN (not measured) left out."""
+
+        def log() -> None:
+            self._log_guard(step)
+            _log(self.run, kind, step, values)
+
+        self._call("log metrics", log)
+
+    def guard(self, record: Mapping[str, Any]) -> None:
+        """Hold a guard record for the first report at or after its step."""
+        if self.config is not None:
+            self.held.append(record)
 
     def end(self, result: TrainResult) -> None:
-        """Add the summary and the report's figure, and finish the W&B run."""
+        """Log the guard records held, add the summary and the report's figure, and finish the
+        W&B run."""
 
         def finish() -> None:
             assert self.config is not None
+            self._log_guard(None)
             self.run.summary.update(
                 {f"ups/{k}": v for k, v in attrs.asdict(result).items() if "metrics" not in k}
             )
@@ -123,10 +176,27 @@ class WandbTracker:
         self.config = None
 
     def fail(self) -> None:
-        """Finish the W&B run as failed, if one is open; never raises."""
-        if self.run is not None:
-            self._call("finish the run", lambda: self.run.finish(exit_code=1))
+        """Log the guard records held (a stop's), and finish the W&B run as failed, if one is
+        open or a record is held; never raises."""
+
+        def finish() -> None:
+            self._log_guard(None)
+            self.run.finish(exit_code=1)
+
+        if self.run is not None or self.held:
+            self._call("finish the run", finish)
         self.config = None
+
+    def _log_guard(self, step: int | None) -> None:
+        """Log each guard record held up to ``step`` (``None``: all), in order, as the table of
+        every record so far at the record's step."""
+        import wandb
+
+        while self.held and (step is None or self.held[0]["step"] <= step):
+            record = self.held.pop(0)
+            self.rows.append(guard_row(record))
+            table = wandb.Table(columns=list(GUARD_COLUMNS), data=[list(r) for r in self.rows])
+            self.run.log({GUARD_KEY: table}, step=record["step"])
 
     def _call(self, what: str, action: Callable[[], object]) -> None:
         """Run ``action`` against the W&B run (started first if need be); on any error, warn
@@ -221,6 +291,11 @@ def ups_step_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> No
 @hookimpl
 def ups_eval_end(ctx: RunContext, step: int, metrics: Mapping[str, float]) -> None:
     _tracker.metrics("eval", step, metrics)
+
+
+@hookimpl
+def ups_guard_record(ctx: RunContext, record: Mapping[str, Any]) -> None:
+    _tracker.guard(record)
 
 
 @hookimpl
