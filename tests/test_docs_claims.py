@@ -40,13 +40,11 @@ REVIEWED: dict[str, tuple[str, ...]] = {
     ),
     # Describes the checkpoint's fields and the sampler's resumed epoch.
     "docs/checkpoints.md": ("not taken yet",),
-    "docs/fault-tolerance.md": ("not yet taken", "No GPU has run it yet"),
+    "docs/fault-tolerance.md": ("not yet taken",),
     "docs/samplers.md": ("not yet trained on",),
     # A measurement page's list of ideas, not a claim about a feature; the GPU suite's results
     # (this and the next two: true until it runs on a GPU, then replace them with its results).
     "docs/benchmarks.md": ("Ideas not yet tried", "no GPU has run it yet"),
-    "docs/comm-hooks.md": ("No GPU has run this project's tests yet",),
-    "docs/gpu.md": ("Not run yet on a device",),
     # The schedule's rules that have not fired in a run.
     "docs/decisions.md": ("not fired yet",),
     # A hook's moment in the run, a folder made on first use, a resumed sampler's epoch.
