@@ -9,16 +9,20 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ups.core import Config, RunContext, load_config, load_plugins
-from ups.core.engine import train_rank
+from ups.core.engine import GuardStoppedError, train_rank
 from ups.core.testing import run_ranks, run_ups, tiny_project, tracker_metrics
 from ups_tensorboard import plugin, record_markdown, tag
 
 NO_AUTOLOAD = {"UPS_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 
-def _train(ctx: RunContext, config: Config) -> int:
+def _train(ctx: RunContext, config: Config) -> int | str:
+    """The steps trained on this rank, or the error's line when the guard stopped the run."""
     registry = load_plugins(extra=[("tensorboard", plugin)], env=NO_AUTOLOAD)
-    return train_rank(config, ctx, registry).steps
+    try:
+        return train_rank(config, ctx, registry).steps
+    except GuardStoppedError as error:
+        return str(error)
 
 
 @pytest.fixture(scope="module")
@@ -83,27 +87,34 @@ def texts(folder: Path, name: str) -> list[tuple[int, str]]:
     ]
 
 
-@pytest.mark.slow  # two runs on 2 ranks
-@pytest.mark.parametrize(("action", "attempt"), [("skip", 1), ("rollback", 3)])
+@pytest.mark.slow  # three runs on 2 ranks
+@pytest.mark.parametrize(("action", "attempt"), [("skip", 1), ("rollback", 3), ("stop", 1)])
 def test_a_guard_record_is_the_text_guard_at_its_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str, attempt: int
 ) -> None:
     """The NaN planted on rank 1 at ``attempt``: its record (``guard.jsonl``) as Markdown, the
     text ``guard`` at its step: a skip at step 1, held until the first report (step 2) opens
-    the event file; a rollback at step 3, before the replay from step 2."""
+    the event file; a rollback at step 3, before the replay from step 2; a stop at step 1,
+    before any report: the run's error opens the file for it."""
     monkeypatch.setenv("UPS_FAULTS", f"nan@1:{attempt}")
     guard = {"action": action, "snapshot_every": 2}
     config = load_config(tiny_project(tmp_path, training={"epochs": 2, "guard": guard}))
-    run_ranks(_train, 2, config)
+    reason = "the gradient norm is nan (not finite)"
+    if action == "stop":
+        reason += " (training.guard.action: stop)"
+    ended = run_ranks(_train, 2, config)
+    if action == "stop":  # every rank, the same line
+        assert ended[0] == ended[1] and ended[0].startswith(f"step {attempt}: {reason}; "), ended
+        assert "\n" not in ended[0]
+    else:
+        assert all(isinstance(steps, int) for steps in ended), ended
     lines = (config.run_dir / "guard.jsonl").read_text().splitlines()
     (record,) = map(json.loads, lines)
     assert (record["action"], record["step"]) == (action, attempt)
     found = texts(config.run_dir / "tensorboard", "guard")
     assert found == [(attempt, record_markdown(record))]
     shown = found[0][1]
-    assert shown.startswith(
-        f"**step {attempt}** ({action}): the gradient norm is nan (not finite);"
-    )
+    assert shown.startswith(f"**step {attempt}** ({action}): {reason};")
     assert "| 1 | False |" in shown and ", ".join(map(str, record["ranks"][1]["indices"])) in shown
 
 
