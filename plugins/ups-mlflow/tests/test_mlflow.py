@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 
 from ups.core import Config, RunContext, load_config, load_plugins
-from ups.core.engine import train_rank
+from ups.core.engine import GuardStoppedError, train_rank
 from ups.core.testing import (
     KILLER_MODULE,
     free_port,
@@ -41,9 +41,13 @@ def as_a_trial(rank: int, world_size: int, port: int) -> dict[str, str]:
     return torchrun_env(rank, world_size, port) | {"UPS_OPTUNA_TRIAL": link}
 
 
-def _train(ctx: RunContext, config: Config) -> int:
+def _train(ctx: RunContext, config: Config) -> int | str:
+    """The steps trained on this rank, or the error's line when the guard stopped the run."""
     registry = load_plugins(extra=[("mlflow", plugin)], env=NO_AUTOLOAD)
-    return train_rank(config, ctx, registry).steps
+    try:
+        return train_rank(config, ctx, registry).steps
+    except GuardStoppedError as error:
+        return str(error)
 
 
 def logged(client: MlflowClient, run: Run) -> dict[str, list[tuple[int, float]]]:
@@ -204,30 +208,37 @@ def test_a_dead_tracking_server_costs_one_warning_and_no_training(
 
 
 @pytest.mark.slow  # a run on 2 ranks
+@pytest.mark.parametrize("action", ["skip", "rollback", "stop"])
 def test_every_guard_record_so_far_is_the_runs_artifact_guard_jsonl(
-    store: MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str
 ) -> None:
-    """NaNs planted on rank 1 at attempts 3 and 5, skipped: the artifact ``guard.jsonl`` holds
-    both records, as the run folder's does, read back from the store."""
+    """NaNs planted on rank 1 at attempts 3 and 5, skipped or rolled back from (snapshots
+    every 2 steps): the artifact ``guard.jsonl`` holds both records, as the run folder's does,
+    read back from the store; stopped at the first: its record, the run failed."""
     monkeypatch.setenv("UPS_FAULTS", "nan@1:3,5")
     name = experiment(store, tmp_path)
     config = load_config(
         tiny_project(
             tmp_path,
-            training={"epochs": 2, "guard": {"action": "skip"}},
+            training={"epochs": 2, "guard": {"action": action, "snapshot_every": 2}},
             plugins={"mlflow": {"tracking_uri": store.tracking_uri, "experiment": name}},
         )
     )
-    assert run_ranks(_train, 2, config) == [6, 6]
+    ended = run_ranks(_train, 2, config)
     run = the_run(store, name)
-    assert {a.path for a in store.list_artifacts(run.info.run_id)} == {
-        "guard.jsonl",
-        "report.png",
-        "summary.txt",
-    }
+    artifacts = {a.path for a in store.list_artifacts(run.info.run_id)}
+    if action == "stop":  # every rank, the same line; the run's end never came
+        assert ended[0] == ended[1] and str(ended[0]).startswith("step 3: "), ended
+        assert (run.info.status, artifacts) == ("FAILED", {"guard.jsonl"})
+        steps = [3]
+    else:
+        assert ended == [6, 6]
+        assert run.info.status == "FINISHED"
+        assert artifacts == {"guard.jsonl", "report.png", "summary.txt"}
+        steps = [3, 4]
     logged = Path(store.download_artifacts(run.info.run_id, "guard.jsonl", str(tmp_path)))
     records = [json.loads(line) for line in logged.read_text().splitlines()]
-    assert [(r["step"], r["action"]) for r in records] == [(3, "skip"), (4, "skip")]
+    assert [(r["step"], r["action"]) for r in records] == [(step, action) for step in steps]
     assert logged.read_text() == (config.run_dir / "guard.jsonl").read_text()
     assert [r["finite"] for r in records[0]["ranks"]] == [True, False]
 
