@@ -24,7 +24,7 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from ups.core import Config, RunContext, load_config, load_plugins
-from ups.core.engine import train_rank
+from ups.core.engine import GuardStoppedError, train_rank
 from ups.core.testing import (
     KILLER_MODULE,
     install_plugin,
@@ -96,9 +96,13 @@ def as_a_trial(rank: int, world_size: int, port: int) -> dict[str, str]:
     return torchrun_env(rank, world_size, port) | {"UPS_OPTUNA_TRIAL": link}
 
 
-def _train(ctx: RunContext, config: Config) -> int:
+def _train(ctx: RunContext, config: Config) -> int | str:
+    """The steps trained on this rank, or the error's line when the guard stopped the run."""
     registry = load_plugins(extra=[("wandb", plugin)], env=NO_AUTOLOAD)
-    return train_rank(config, ctx, registry).steps
+    try:
+        return train_rank(config, ctx, registry).steps
+    except GuardStoppedError as error:
+        return str(error)
 
 
 @pytest.fixture(scope="module")
@@ -150,39 +154,53 @@ def test_two_ranks_log_one_run_holding_exactly_metrics_jsonl(two_ranks: Config) 
 
 
 @pytest.mark.slow  # a run on 2 ranks
-def test_a_guard_record_is_a_row_of_the_table_guard_records_at_its_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("action", "faults", "steps"),
+    [("skip", "3", [3]), ("rollback", "4,5", [3, 4]), ("stop", "3", [3])],
+)
+def test_guard_records_are_rows_of_the_table_guard_records_at_their_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str, faults: str, steps: list[int]
 ) -> None:
-    """The NaN planted on rank 1 at attempt 3, skipped, reporting every step: the table is
-    logged at step 3, its row the record of ``guard.jsonl``; the report of step 2, which
-    reaches the plugin after the record, is not dropped: the history is ``metrics.jsonl``'s."""
-    monkeypatch.setenv("UPS_FAULTS", "nan@1:3")
+    """NaNs planted on rank 1 at attempts ``faults``, reporting every step: the table is logged
+    at each record's step, its rows the records of ``guard.jsonl`` by step; no report is
+    dropped for them: the history is ``metrics.jsonl``'s.
+
+    - skip: the report of step 2, which reaches the plugin after the record, is logged;
+    - rollback (snapshots every 2 steps): the NaN at step 4 rolls back to step 2, and the one
+      in the replay of step 3 too: its record comes after step 4's, and is logged first;
+    - stop: at step 3, the run's error logs the record held, the W&B run failed (exit 1)."""
+    monkeypatch.setenv("UPS_FAULTS", f"nan@1:{faults}")
     config = load_config(
         tiny_project(
             tmp_path,
             run={"log_every": 1},
-            training={"epochs": 2, "guard": {"action": "skip"}},
+            training={"epochs": 2, "guard": {"action": action, "snapshot_every": 2}},
             plugins={"wandb": {"project": "tests", "mode": "offline"}},
         )
     )
-    assert run_ranks(_train, 2, config) == [7, 7]
+    ended = run_ranks(_train, 2, config)
+    if action == "stop":  # every rank, the same line
+        assert ended[0] == ended[1] and str(ended[0]).startswith("step 3: "), ended
+    else:
+        assert ended == [8 - len(steps)] * 2  # 4 batches a rank an epoch, one a record passed over
     files = offline_runs(config.run_dir)
+    assert first(files, "exit").exit_code == (1 if action == "stop" else 0)
     found = history(files)
     # the table's reference, flattened in the history row: guard/records/path, .../_type, ...
     logged = {k: found.pop(k) for k in list(found) if k.startswith(f"{GUARD_KEY}/")}
     assert found == tracker_metrics(config.run_dir)
-    assert logged[f"{GUARD_KEY}/_type"] == [(3, "table-file")]
-    ((_, path),) = logged[f"{GUARD_KEY}/path"]
+    assert logged[f"{GUARD_KEY}/_type"] == [(step, "table-file") for step in steps]
+    *_, (_, path) = logged[f"{GUARD_KEY}/path"]
     table = json.loads((files[0].parent / "files" / path).read_text())
-    (record,) = [
-        json.loads(line) for line in (config.run_dir / "guard.jsonl").read_text().splitlines()
-    ]
+    lines = (config.run_dir / "guard.jsonl").read_text().splitlines()
+    records = sorted(map(json.loads, lines), key=lambda record: record["step"])
+    assert [record["step"] for record in records] == steps
     assert table["columns"] == list(GUARD_COLUMNS)
-    assert table["data"] == [guard_row(record)]
+    assert table["data"] == [guard_row(record) for record in records]
     row = dict(zip(GUARD_COLUMNS, table["data"][0], strict=True))
-    assert (row["step"], row["first batch"], row["action"]) == (3, 3, "skip")
+    assert (row["step"], row["first batch"], row["action"]) == (3, 3, action)
     assert json.loads(row["ranks not finite"]) == [1]
-    assert json.loads(row["indices"]) == [r["indices"] for r in record["ranks"]]
+    assert json.loads(row["indices"]) == [r["indices"] for r in records[0]["ranks"]]
 
 
 @pytest.mark.slow  # two `ups train` processes

@@ -26,6 +26,7 @@ more (see :data:`ENV_DEFAULTS`).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import math
@@ -124,7 +125,7 @@ class WandbTracker:
         """When the run resumed: the reports ``metrics.jsonl`` held then."""
         self.run: Any = None
         self.held: list[Mapping[str, Any]] = []
-        """Guard records not logged yet: each waits for a report at or after its step."""
+        """Guard records not logged yet, by step: each waits for a report at or after its step."""
         self.rows: list[list[Any]] = []
         """The rows of the guard's table logged so far."""
 
@@ -154,9 +155,10 @@ class WandbTracker:
         self._call("log metrics", log)
 
     def guard(self, record: Mapping[str, Any]) -> None:
-        """Hold a guard record for the first report at or after its step."""
+        """Hold a guard record for the first report at or after its step, the records held in
+        order of step: one made in a rollback's replay may come after a later step's."""
         if self.config is not None:
-            self.held.append(record)
+            bisect.insort(self.held, record, key=lambda held: held["step"])
 
     def end(self, result: TrainResult) -> None:
         """Log the guard records held, add the summary and the report's figure, and finish the
@@ -188,7 +190,7 @@ class WandbTracker:
         self.config = None
 
     def _log_guard(self, step: int | None) -> None:
-        """Log each guard record held up to ``step`` (``None``: all), in order, as the table of
+        """Log each guard record held up to ``step`` (``None``: all), by step, as the table of
         every record so far at the record's step."""
         import wandb
 
