@@ -170,7 +170,8 @@ class Quarantine:
 
 class Guard:
     """One rank's guard: :meth:`check` each step's global gradient norm, :meth:`act` on a bad
-    one, and :meth:`record` it (the run's loop). ``tasks``: ``data.tasks``, to name task ids; ``scaled``: fp16's gradient scaler is on."""
+    one, and :meth:`record` it (the run's loop). ``tasks``: ``data.tasks``, to name task ids;
+    ``scaled``: fp16's gradient scaler is on."""
 
     def __init__(
         self, config: GuardConfig, ctx: RunContext, *, tasks: Sequence[str] = (), scaled: bool
