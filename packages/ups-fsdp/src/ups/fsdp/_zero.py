@@ -85,7 +85,10 @@ class ZeroStrategy(Strategy):
         # later save mixes in neither stale states nor a None (a parameter with no state yet).
         optimizer.load_state_dict({**state, "state": dict(state["state"])})
         optimizer.state.clear()
-        _steps_on_device(optimizer.optim)
+        # It moves every 0-d state (Adam's ``step``) to the CPU, where a fused or capturable
+        # CUDA optimizer refuses it: the local optimizer's own load places each as it needs.
+        local = optimizer.optim
+        local.load_state_dict(local.state_dict())
 
     def own_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """A copy of this rank's shard (its local optimizer's state) and of the groups'
@@ -107,20 +110,6 @@ class ZeroStrategy(Strategy):
         optimizer.optim.load_state_dict(copy.deepcopy(state["local"]))
         for group, saved in zip(optimizer.param_groups, state["groups"], strict=True):
             group.update(copy.deepcopy(saved))
-
-
-def _steps_on_device(local: torch.optim.Optimizer) -> None:
-    """Put back on its parameter's device (as float32) the ``step`` of every parameter of a
-    ``fused`` or ``capturable`` group of ``local``, as ``Optimizer.load_state_dict`` does:
-    ``ZeroRedundancyOptimizer.load_state_dict`` moves every 0-d state to the CPU, where a
-    fused CUDA AdamW refuses it at the next step (``state_steps is on cpu``)."""
-    for group in local.param_groups:
-        if not (group.get("fused") or group.get("capturable")):
-            continue
-        for param in group["params"]:
-            step = local.state.get(param, {}).get("step")
-            if isinstance(step, torch.Tensor):
-                local.state[param]["step"] = step.to(param.device, torch.float32)
 
 
 def zero(*, ctx: RunContext, config: Config, options: object) -> Strategy:
